@@ -25,7 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, logging
 
 from .configuration_clover import CloverConfig
-from .generation_clover import CloverGenerationMixin
+from .generation_clover import CloverGenerationConfig, CloverGenerationMixin
 
 try:
     from transformers.integrations import use_experts_implementation
@@ -908,6 +908,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self.generation_config = CloverGenerationConfig.from_model_config(config)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -1,0 +1,227 @@
+"""Tests of the demo chat corpus and the demo tokenizer (CPU only, a few seconds)."""
+
+import json
+import random
+import re
+
+import pytest
+
+from clover.demo_tasks import (
+    FAMILIES,
+    SPECIAL_TOKENS,
+    DemoExample,
+    addition_working,
+    build_demo_tokenizer,
+    check_reply,
+    encode_example,
+    generate_examples,
+    is_tool_call_target,
+    make_example,
+)
+
+VOCAB_SIZE = 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_demo_tokenizer(tmp_path_factory.mktemp("demo_tok"), num_examples=4000, vocab_size=VOCAB_SIZE, seed=0)
+
+
+def _examples_per_kind(seed=0, per_kind=6):
+    """`per_kind` examples of every family with thinking on and off, and of both kinds of tool-call target."""
+    rng = random.Random(seed)
+    found = {}
+    while len(found) < 10 or any(len(bucket) < per_kind for bucket in found.values()):
+        for family in FAMILIES:
+            for thinking in (True, False):
+                example = make_example(family, rng, enable_thinking=thinking)
+                bucket = found.setdefault((family, thinking, is_tool_call_target(example)), [])
+                if len(bucket) < per_kind:
+                    bucket.append(example)
+    return [example for bucket in found.values() for example in bucket]
+
+
+def _reference_reply(tokenizer, example, skip_special_tokens=False):
+    _, answer_ids = encode_example(tokenizer, example, max_length=VOCAB_SIZE)
+    return tokenizer.decode(answer_ids, skip_special_tokens=skip_special_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ corpus
+
+
+def test_generate_examples_is_deterministic_and_balanced():
+    a = generate_examples(64, seed=7)
+    assert a == generate_examples(64, seed=7)
+    assert a != generate_examples(64, seed=8)
+    counts = {family: sum(e.family == family for e in a) for family in FAMILIES}
+    assert counts == {family: 16 for family in FAMILIES}
+    assert 10 < sum(e.enable_thinking for e in a) < 54
+    only = generate_examples(9, seed=1, families=("sorting", "reversal"))
+    assert [e.family for e in only] == ["sorting", "reversal"] * 4 + ["sorting"]
+
+
+def test_example_structure():
+    rng = random.Random(0)
+    for family in FAMILIES:
+        for thinking in (True, False):
+            for _ in range(20):
+                example = make_example(family, rng, enable_thinking=thinking)
+                assert isinstance(example, DemoExample)
+                assert example.family == family and example.enable_thinking is thinking
+                target = example.messages[-1]
+                assert target["role"] == "assistant"
+                assistants = [m for m in example.messages if m["role"] == "assistant"]
+                has_reasoning = ["reasoning_content" in m for m in assistants]
+                assert all(has_reasoning) if thinking else not any(has_reasoning)
+                if family == "tool_call":
+                    assert example.tools and 2 <= len(example.tools) <= 4
+                    names = [t["function"]["name"] for t in example.tools]
+                    if is_tool_call_target(example):
+                        assert target["content"] == "" and json.loads(example.expected)["name"] in names
+                    else:
+                        assert [m["role"] for m in example.messages[-3:]] == ["assistant", "tool", "assistant"]
+                        assert target["content"] == example.expected
+                else:
+                    assert example.tools is None and target["content"] == example.expected
+    with pytest.raises(ValueError):
+        make_example("poetry", rng)
+
+
+def test_family_answers_are_right():
+    rng = random.Random(3)
+    for _ in range(200):
+        ex = make_example("addition", rng)
+        a, b = map(int, re.findall(r"\d+", ex.messages[-2]["content"]))
+        assert 100 <= a < 10**6 and 100 <= b < 10**6
+        assert ex.expected == f"{a} + {b} = {a + b}"
+
+        ex = make_example("sorting", rng)
+        nums = [int(x) for x in re.findall(r"\d+", ex.messages[-2]["content"])]
+        assert 5 <= len(nums) <= 12
+        descending = any(w in ex.messages[-2]["content"] for w in ("descending", "largest to", "decreasing"))
+        assert ex.expected == ", ".join(map(str, sorted(nums, reverse=descending)))
+
+        ex = make_example("reversal", rng)
+        words = ex.messages[-2]["content"].split(":", 1)[1].replace(",", " ").split()
+        assert 3 <= len(words) <= 10 and ex.expected == " ".join(words[::-1])
+
+        ex = make_example("tool_call", rng)
+        if not is_tool_call_target(ex):
+            call = ex.messages[-3]["tool_calls"][0]["function"]
+            result = json.loads(ex.messages[-2]["content"])
+            # the final sentence restates the result (and the arguments, but for free-text labels and subjects)
+            shown = {k: v for k, v in result.items() if k != "status"}
+            shown.update({k: v for k, v in call["arguments"].items() if k not in ("label", "subject")})
+            for value in shown.values():
+                assert str(value) in ex.expected, (value, ex.expected)
+
+
+def test_addition_working_is_arithmetically_right():
+    rng = random.Random(1234)
+    cases = [(999, 1), (100, 900), (999999, 999999), (123, 456789)]
+    cases += [(rng.randint(100, 999999), rng.randint(100, 999999)) for _ in range(500)]
+    line_re = re.compile(r"^(\d)\+(\d)\+(\d)=(\d+) write (\d) carry (\d)$")
+    for a, b in cases:
+        lines = addition_working(a, b).split("\n")
+        assert lines[-1] == f"answer {a + b}"
+        carry, written = 0, []
+        for column, line in enumerate(lines[:-1]):
+            m = line_re.match(line)
+            if m is None:  # only the final carry line is not a column line
+                assert line == f"carry {carry} write {carry}" and carry == 1 and column == len(lines) - 2
+                written.append(carry)
+                continue
+            x, y, c, s, w, out = map(int, m.groups())
+            assert x == (a // 10**column) % 10 and y == (b // 10**column) % 10
+            assert c == carry and s == x + y + c and w == s % 10 and out == s // 10
+            written.append(w)
+            carry = out
+        assert int("".join(map(str, reversed(written)))) == a + b
+    # a thinking example carries exactly this working
+    rng = random.Random(5)
+    example = make_example("addition", rng, enable_thinking=True)
+    a, b = map(int, re.findall(r"\d+", example.messages[-2]["content"]))
+    assert example.messages[-1]["reasoning_content"] == addition_working(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+def test_special_tokens_are_single_tokens_with_fixed_ids(tokenizer):
+    assert len(tokenizer) == VOCAB_SIZE
+    first = VOCAB_SIZE - len(SPECIAL_TOKENS)
+    for offset, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.convert_tokens_to_ids(token) == first + offset
+        assert tokenizer(token, add_special_tokens=False)["input_ids"] == [first + offset]
+        assert tokenizer(f"a {token}b", add_special_tokens=False)["input_ids"].count(first + offset) == 1
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id == first
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == first + 2
+    assert tokenizer.mask_token == "<|mask|>" and tokenizer.mask_token_id == VOCAB_SIZE - 1
+    assert tokenizer.padding_side == "left"
+    # the markup tokens survive skip_special_tokens, the control tokens do not
+    text = "<|im_start|><think>\nx\n</think>\n\n<tool_call>\n</tool_call><|im_end|><|endoftext|>"
+    decoded = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+    assert decoded == "<think>\nx\n</think>\n\n<tool_call>\n</tool_call>"
+
+
+def test_digits_are_single_tokens(tokenizer):
+    text = "12345 + 67890 = 80235, 0099 x1000"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    for token in tokenizer.convert_ids_to_tokens(ids):
+        assert sum(ch.isdigit() for ch in token) <= 1 and not (any(ch.isdigit() for ch in token) and len(token) > 1)
+
+
+def test_encode_example_matches_full_rendering(tokenizer):
+    for example in _examples_per_kind(seed=11, per_kind=4):
+        prompt_ids, answer_ids = encode_example(tokenizer, example, max_length=VOCAB_SIZE)
+        kwargs = {"tools": example.tools, "enable_thinking": example.enable_thinking, "return_dict": False}
+        full = tokenizer.apply_chat_template(example.messages, **kwargs)
+        prompt = tokenizer.apply_chat_template(example.messages[:-1], add_generation_prompt=True, **kwargs)
+        assert prompt_ids == prompt
+        assert prompt_ids + answer_ids == full[: len(prompt_ids) + len(answer_ids)]
+        assert tokenizer.decode(full[len(prompt_ids) + len(answer_ids) :]) == "\n"
+        assert answer_ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in answer_ids[:-1]
+        answer = tokenizer.decode(answer_ids)
+        prompt_text = tokenizer.decode(prompt_ids)
+        if example.enable_thinking:
+            assert prompt_text.endswith("<|im_start|>assistant\n<think>\n")
+            assert "\n</think>\n\n" in answer
+        else:
+            assert prompt_text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            assert "<think>" not in answer and "</think>" not in answer
+        with pytest.raises(ValueError):
+            encode_example(tokenizer, example, max_length=len(prompt_ids) + len(answer_ids) - 1)
+
+
+def test_checker_accepts_reference_and_rejects_corruption(tokenizer):
+    for example in _examples_per_kind(seed=21, per_kind=5):
+        reply = _reference_reply(tokenizer, example)
+        assert check_reply(example, reply), (example, reply)
+        assert check_reply(example, _reference_reply(tokenizer, example, skip_special_tokens=True))
+        assert check_reply(example, reply + "<|endoftext|><|endoftext|>")
+        if example.enable_thinking:  # the reasoning must be closed
+            assert not check_reply(example, reply.replace("</think>", ""))
+        if is_tool_call_target(example):
+            call = json.loads(example.expected)
+            value = str(next(iter(call["arguments"].values())))
+            corrupted = reply.replace(f"\n{value}\n", f"\n{value}x\n", 1)
+            assert not check_reply(example, reply.replace(f"<function={call['name']}>", "<function=other_tool>"))
+            assert not check_reply(
+                example,
+                reply.replace(
+                    "</parameter>\n</function>", "</parameter>\n<parameter=extra>\n1\n</parameter>\n</function>"
+                ),
+            )
+            assert not check_reply(example, reply.replace("<tool_call>", "").replace("</tool_call>", ""))
+        else:
+            # change the last digit, or the last letter, of the answer
+            expected = example.expected
+            i = max(i for i, ch in enumerate(expected) if ch.isalnum())
+            swapped = (
+                {"9": "8"}.get(expected[i], "9") if expected[i].isdigit() else ("a" if expected[i] != "a" else "b")
+            )
+            corrupted = reply.replace(expected, expected[:i] + swapped + expected[i + 1 :])
+            assert not check_reply(example, reply.replace(expected, expected + " extra"))
+        assert corrupted != reply and not check_reply(example, corrupted), corrupted
+        assert not check_reply(example, "")
