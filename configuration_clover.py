@@ -215,3 +215,6 @@ _AUTO_MAP = {
     "AutoModel": "modeling_clover.CloverModel",
     "AutoModelForCausalLM": "modeling_clover.CloverForBlockDiffusion",
 }
+
+
+CloverConfig._auto_class = "AutoConfig"

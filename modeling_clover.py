@@ -1051,3 +1051,8 @@ __all__ = [
     "chunk_gated_delta_rule",
     "draw_block_noise",
 ]
+
+
+# save_pretrained copies the code files and writes auto_map, so every checkpoint loads with trust_remote_code.
+CloverModel._auto_class = "AutoModel"
+CloverForBlockDiffusion._auto_class = "AutoModelForCausalLM"
