@@ -127,6 +127,7 @@ class CloverConfig(PretrainedConfig):
             ]
         self.layer_types = list(layer_types)
 
+        self.validate_clover()  # before the base class, whose own layer_types check raises a less helpful error
         kwargs.setdefault("auto_map", _AUTO_MAP)
         kwargs.setdefault("architectures", ["CloverForBlockDiffusion"])
         super().__init__(
@@ -136,7 +137,6 @@ class CloverConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate_clover()
 
     def validate_clover(self) -> None:
         """Checks the fields that would otherwise fail deep inside a forward, or silently decode garbage."""

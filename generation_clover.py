@@ -78,7 +78,9 @@ class CloverGenerationConfig(GenerationConfig):
     def from_model_config(cls, model_config) -> CloverGenerationConfig:
         """The stock method rebuilds the config field by field and trips on the fields above; start from its result."""
         base = GenerationConfig.from_model_config(model_config).to_dict()
-        base.pop("transformers_version", None)
+        # Saved, `_from_model_config` makes the stock loader drop every field it does not know (threshold, ...).
+        for key in ("transformers_version", "_from_model_config"):
+            base.pop(key, None)
         return cls(
             **base,
             block_size=getattr(model_config, "block_size", None),
@@ -449,9 +451,18 @@ class CloverGenerationMixin(GenerationMixin):
 
     # ---- loading -------------------------------------------------------------------------------------------------
 
-    def adjust_generation_fn(self, *args, **kwargs):
-        """The stock loader reads generation_config.json into a plain GenerationConfig; keep ours."""
-        super().adjust_generation_fn(*args, **kwargs)
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):  # fmt: skip
+        """The stock loader reads generation_config.json into a plain GenerationConfig (which can drop our fields);
+        read it as a CloverGenerationConfig instead."""
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs)  # fmt: skip
+        if generation_config is None and pretrained_model_name_or_path is not None:
+            try:
+                self.generation_config = CloverGenerationConfig.from_pretrained(
+                    pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or ""
+                )
+                return
+            except OSError:
+                pass
         if not isinstance(self.generation_config, CloverGenerationConfig):
             self.generation_config = CloverGenerationConfig.from_dict(self.generation_config.to_dict())
 

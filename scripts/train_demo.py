@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=6144, help="prompt + answer tokens per batch (about)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--complementary", action="store_true", help="also train each example on its mask's complement")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args()
 
@@ -103,6 +105,8 @@ def main() -> None:
     if output.exists() and not args.force:
         raise SystemExit(f"{output} exists; pass --force to replace it.")
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix=".clover-demo-", dir=output.parent if output.parent.exists() else None))
 
@@ -124,7 +128,7 @@ def main() -> None:
         prompt_ids, answer_ids = encode_example(tokenizer, example, config.max_position_embeddings - config.block_size)
         encoded.append({"prompt_ids": prompt_ids, "answer_ids": answer_ids})
     batches = make_batches(encoded, args.batch_tokens, rng)
-    collator = CloverDataCollator(tokenizer.pad_token_id, config.block_size, seed=args.seed, complementary=True)
+    collator = CloverDataCollator(tokenizer.pad_token_id, config.block_size, seed=args.seed, complementary=args.complementary)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     # Time-based schedule: warmup, then cosine to 10% over the budget, so the run ends on time on any machine.

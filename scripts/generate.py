@@ -1,0 +1,96 @@
+"""Chat with a Clover checkpoint (the shipped tiny demo model by default), streaming each committed block.
+
+    python scripts/generate.py "What is 4821 + 377?"
+    python scripts/generate.py --model DIR --no-thinking --system "You are terse." "Sort 5, 3, 9."
+    python scripts/generate.py --raw "Once upon a time"          # plain prompt, no chat template
+
+Thinking is shown apart from the answer; the last line gives new tokens, forwards, tokens per forward and tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "clover-tiny-demo"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", default="What is 48213 + 9377?")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a Clover checkpoint directory")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threshold", type=float, default=0.95)
+    parser.add_argument("--no-thinking", action="store_true", help="enable_thinking=False in the chat template")
+    parser.add_argument("--system", default=None, help="a system message")
+    parser.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    parser.add_argument("--do-sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    return parser.parse_args()
+
+
+class ThinkingStreamer(TextStreamer):
+    """Prints committed blocks as they come; the reasoning (before </think>) is dimmed and labelled."""
+
+    def __init__(self, tokenizer, thinking: bool):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.in_thinking = thinking
+        if thinking:
+            print("\033[2m[thinking] ", end="", flush=True)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if self.in_thinking and "</think>" in text:
+            before, after = text.split("</think>", 1)
+            print(before.rstrip() + "\033[0m\n[answer] " + after.lstrip(), end="", flush=True)
+            self.in_thinking = False
+        else:
+            print(text, end="", flush=True)
+        if stream_end:
+            print("\033[0m" if self.in_thinking else "", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if not Path(args.model).is_dir():
+        sys.exit(f"No checkpoint at {args.model}: pass --model DIR (a Clover checkpoint directory).")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, device_map="auto")
+    thinking = not args.no_thinking and not args.raw
+    if args.raw:
+        text = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, enable_thinking=not args.no_thinking, tokenize=False
+        )
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    streamer = ThinkingStreamer(tokenizer, thinking)
+    start = time.perf_counter()
+    output = model.generate(
+        **inputs,
+        max_new_tokens=args.max_new_tokens,
+        threshold=args.threshold,
+        do_sample=args.do_sample,
+        temperature=args.temperature if args.do_sample else None,
+        streamer=streamer,
+        return_dict_in_generate=True,
+    )
+    seconds = time.perf_counter() - start
+    new_tokens = int(output.num_new_tokens[0])
+    forwards = int(output.num_forward_passes[0])
+    print(
+        f"-- {new_tokens} new tokens, {forwards} forwards, {new_tokens / max(forwards, 1):.2f} tokens/forward, "
+        f"{new_tokens / seconds:.1f} tok/s"
+    )
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny Clover (vocab 128, hidden 64, 4 layers) and the `--runslow` switch."""
+
+import pytest
+import torch
+
+from clover.configuration_clover import CloverConfig
+from clover.modeling_clover import CloverForBlockDiffusion
+
+_TINY_FIELDS = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4,
+    head_dim=32,
+    num_key_value_heads=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    pad_token_id=0,
+    eos_token_id=126,
+    block_size=8,
+    mask_token_id=127,
+)
+
+
+def _tiny_config(**overrides) -> CloverConfig:
+    return CloverConfig(**{**_TINY_FIELDS, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """A factory: `tiny_config(**overrides)` returns a fresh tiny CloverConfig (vocab 128, hidden 64, layers
+    [linear, linear, linear, full], 8 experts top-2, block 8, mask 127, pad 0, eos 126)."""
+    return _tiny_config
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    """A seeded, float32, eval-mode tiny CloverForBlockDiffusion (a fresh one per test: tests may modify it)."""
+    torch.manual_seed(0)
+    return CloverForBlockDiffusion(tiny_config()).float().eval()
+
+
+def pytest_configure(config):
+    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine they make each op 10x slower.
+    torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)

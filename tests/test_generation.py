@@ -1,0 +1,401 @@
+"""Tests of block-diffusion `generate`: against a naive no-cache decoder and batch-size-1 runs, the LowConfidence
+helpers on hand-built logits, the output format, streaming, the generation config and bad input. Tiny model, CPU."""
+
+import math
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from clover.generation_clover import (
+    CloverGenerationConfig,
+    CloverGenerationOutput,
+    candidates_and_confidence,
+    min_commits_per_step,
+    select_positions_to_commit,
+)
+from clover.modeling_clover import CloverForBlockDiffusion
+
+BLOCK, MASK_ID, PAD_ID, EOS_ID = 8, 127, 0, 126
+MAX_NEW_TOKENS = 30  # 3 whole blocks of 8 and a partial one of 6
+LOGIT_SCALE = 20.0  # spreads the tiny model's probabilities: some steps reach 0.3 at several positions, not all
+
+
+def random_ids(*shape, seed=0):
+    """Ids in [1, 126): no pad (0), EOS (126) or mask (127)."""
+    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def model(tiny_model):
+    """The tiny model with confident, spread predictions, and EOS (logit 0 among logits of +-20) never chosen."""
+    with torch.no_grad():
+        tiny_model.lm_head.weight.mul_(LOGIT_SCALE)
+        tiny_model.lm_head.weight[EOS_ID] = 0.0
+    return tiny_model
+
+
+def generate(model, prompt, **kwargs):
+    kwargs = {"max_new_tokens": MAX_NEW_TOKENS, "return_dict_in_generate": True, **kwargs}
+    return model.generate(prompt, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ naive reference
+
+
+def naive_decode(model, prompt, max_new_tokens, threshold, eos_id=EOS_ID):
+    """SPEC "Decoding, precisely" for one row, with no cache: every step reruns [prompt, committed blocks, canvas]
+    with block_ids. Returns (the max_new_tokens new tokens, number of forwards)."""
+    context, new_tokens, forwards = prompt[0].tolist(), [], 0
+    for block in range(math.ceil(max_new_tokens / BLOCK)):
+        canvas = [MASK_ID] * BLOCK  # positions past max_new_tokens stay masks and are never decoded
+        needed = min(BLOCK, max_new_tokens - block * BLOCK)
+        while True:
+            masked = [i for i in range(needed) if canvas[i] == MASK_ID]
+            eos_at = [i for i in range(needed) if canvas[i] == eos_id]
+            if not masked or (eos_at and min(masked) > eos_at[0]):  # done, or EOS with nothing masked before it
+                break
+            block_ids = [-1] * prompt.shape[1] + [k for k in range(block + 1) for _ in range(BLOCK)]
+            with torch.no_grad():
+                logits = model(
+                    torch.tensor([context + canvas]), block_ids=torch.tensor([block_ids]), use_cache=False
+                ).logits[0, -BLOCK:]
+            forwards += 1
+            logits = logits.float()
+            logits[:, MASK_ID] = -math.inf
+            probs = torch.softmax(logits, dim=-1)
+            candidate = probs.argmax(-1).tolist()
+            confidence = probs.max(-1).values.tolist()
+            most_confident = max(masked, key=lambda i: confidence[i])  # first one on ties, as a stable sort
+            for i in masked:
+                if confidence[i] >= threshold or i == most_confident:
+                    canvas[i] = candidate[i]
+        produced = canvas[:needed]
+        if eos_id in produced:
+            new_tokens += produced[: produced.index(eos_id) + 1]
+            break
+        new_tokens += produced
+        context += canvas
+    return new_tokens + [PAD_ID] * (max_new_tokens - len(new_tokens)), forwards
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.3])
+def test_generate_equals_the_naive_no_cache_decoder(model, threshold):
+    prompt = random_ids(1, 6, seed=1)
+    out = generate(model, prompt, threshold=threshold)
+    expected, forwards = naive_decode(model, prompt, MAX_NEW_TOKENS, threshold)
+    assert out.sequences[0, 6:].tolist() == expected
+    assert EOS_ID not in expected and MASK_ID not in expected
+    assert int(out.num_forward_passes) == forwards
+    if threshold < 1.0:
+        assert float(out.tokens_per_forward) > 1.0  # some step committed several tokens
+        assert max(out.steps_per_block) > 1  # and some step committed only one: the threshold is really in play
+
+
+def test_generate_equals_the_naive_decoder_when_eos_occurs(model):
+    prompt = random_ids(1, 6, seed=1)
+    without_eos = generate(model, prompt, threshold=0.3).sequences[0, 6:]
+    eos_id = int(without_eos[10])  # a token the model commits in block 1: make it the EOS
+    assert eos_id != PAD_ID
+    out = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
+    expected, forwards = naive_decode(model, prompt, MAX_NEW_TOKENS, 0.3, eos_id=eos_id)
+    assert out.sequences[0, 6:].tolist() == expected
+    assert expected.index(eos_id) <= 10 and expected[-1] == PAD_ID
+    assert int(out.num_forward_passes) == forwards
+
+
+# ------------------------------------------------------------------------------------------------ batching and counts
+
+
+@pytest.fixture
+def unequal_prompts():
+    """Prompts of 4 and 9 tokens, left-padded into one batch."""
+    short, long = random_ids(1, 4, seed=2), random_ids(1, 9, seed=3)
+    input_ids = torch.cat([torch.cat([torch.full((1, 5), PAD_ID), short], dim=1), long])
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5] = 0
+    return (short, long), input_ids, attention_mask
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.3])
+def test_batched_generate_equals_one_by_one(model, unequal_prompts, threshold):
+    prompts, input_ids, attention_mask = unequal_prompts
+    batched = generate(model, input_ids, attention_mask=attention_mask, threshold=threshold)
+    assert batched.sequences.shape == (2, 9 + MAX_NEW_TOKENS)
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, threshold=threshold)
+        assert batched.sequences[row, 9:].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
+        assert int(batched.num_forward_passes[row]) == int(alone.num_forward_passes[0])
+
+
+def test_batched_generate_equals_one_by_one_when_a_row_ends_early(model, unequal_prompts):
+    prompts, input_ids, attention_mask = unequal_prompts
+    first_run = generate(model, input_ids, attention_mask=attention_mask, threshold=0.3).sequences
+    eos_id = int(first_run[0, 9 + 9])  # a token row 0 commits in block 1: make it the EOS
+    batched = generate(model, input_ids, attention_mask=attention_mask, threshold=0.3, eos_token_id=eos_id)
+    assert int(batched.num_new_tokens[0]) <= 10  # row 0 ends early, in block 0 or 1
+    for row, prompt in enumerate(prompts):
+        alone = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
+        assert batched.sequences[row, 9:].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
+        assert int(batched.num_forward_passes[row]) == int(alone.num_forward_passes[0])
+        assert int(batched.num_new_tokens[row]) == int(alone.num_new_tokens[0])
+
+
+def test_threshold_one_commits_one_token_per_forward(model):
+    out = generate(model, random_ids(1, 6, seed=1), threshold=1.0)
+    assert int(out.num_new_tokens) == MAX_NEW_TOKENS  # no EOS
+    assert int(out.num_forward_passes) == MAX_NEW_TOKENS
+    assert out.steps_per_block == [8, 8, 8, 6]
+
+
+def test_unfused_commit_gives_the_same_tokens_with_one_forward_more_per_committed_block(model, unequal_prompts):
+    _, input_ids, attention_mask = unequal_prompts
+    fused = generate(model, input_ids, attention_mask=attention_mask, threshold=0.3)
+    unfused = generate(model, input_ids, attention_mask=attention_mask, threshold=0.3, fuse_commit=False)
+    assert torch.equal(fused.sequences, unfused.sequences)
+    non_final_blocks = math.ceil(MAX_NEW_TOKENS / BLOCK) - 1  # the last block is never committed to the cache
+    assert unfused.num_forward_passes.tolist() == (fused.num_forward_passes + non_final_blocks).tolist()
+
+
+def test_max_steps_per_block_caps_the_denoising_steps(model):
+    out = generate(model, random_ids(1, 6, seed=1), threshold=1.0, max_steps_per_block=2)
+    # threshold 1.0 alone would take one step per token; the cap forces ceil(masked / steps_left) per step.
+    assert out.steps_per_block == [2, 2, 2, 2]
+    assert int(out.num_forward_passes) == 8
+    assert MASK_ID not in out.sequences.tolist()[0]
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(tiny_model):
+    prompt = random_ids(1, 6, seed=1)
+    kwargs = dict(do_sample=True, temperature=0.8, top_k=20, max_new_tokens=16, return_dict_in_generate=False)
+    torch.manual_seed(0)
+    first = tiny_model.generate(prompt, **kwargs)
+    torch.manual_seed(0)
+    again = tiny_model.generate(prompt, **kwargs)
+    torch.manual_seed(1)
+    other_seed = tiny_model.generate(prompt, **kwargs)
+    with_generator = tiny_model.generate(prompt, generator=torch.Generator().manual_seed(5), **kwargs)
+    torch.manual_seed(123)  # the global generator must not matter when one is passed
+    with_generator_again = tiny_model.generate(prompt, generator=torch.Generator().manual_seed(5), **kwargs)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other_seed)
+    assert torch.equal(with_generator, with_generator_again)
+    assert not torch.equal(with_generator, first)
+    assert MASK_ID not in first.tolist()[0]
+
+
+# ------------------------------------------------------------------------------------------------ pure helpers
+
+
+def test_candidates_and_confidence_takes_the_argmax_and_its_softmax_probability():
+    # Row 0: probabilities (0.1, 0.6, 0.3) -> token 1 with 0.6. Row 1: the mask column (0) at -inf gets
+    # probability 0; the rest (0.25, 0.75) -> token 2 with 0.75.
+    scores = torch.tensor([[0.1, 0.6, 0.3], [0.0, 0.25, 0.75]]).log()
+    scores[1, 0] = -math.inf
+    candidate, confidence = candidates_and_confidence(scores, do_sample=False)
+    assert candidate.tolist() == [1, 2]
+    torch.testing.assert_close(confidence, torch.tensor([0.6, 0.75]))
+
+
+def test_candidates_and_confidence_samples_with_the_generator_and_never_a_zero_probability_token():
+    # Token 1 holds all the probability except the -inf mask column: every sample is 1, with confidence 1.
+    scores = torch.tensor([[-math.inf, 5.0, -math.inf]]).expand(64, -1)
+    candidate, confidence = candidates_and_confidence(scores, True, torch.Generator().manual_seed(0))
+    assert candidate.tolist() == [1] * 64 and torch.equal(confidence, torch.ones(64))
+    # Two equal tokens: a seeded generator draws the same samples twice, and both tokens occur.
+    scores = torch.zeros(64, 2)
+    draws = [candidates_and_confidence(scores, True, torch.Generator().manual_seed(3))[0] for _ in range(2)]
+    assert torch.equal(draws[0], draws[1]) and set(draws[0].tolist()) == {0, 1}
+
+
+CONFIDENCE = torch.tensor([[0.90, 0.50, 0.97, 0.20]])
+IS_MASKED = torch.tensor([[True, True, False, True]])  # position 2 is already committed
+
+
+@pytest.mark.parametrize(
+    "threshold, min_to_commit, expected",
+    [
+        # threshold rule: masked positions >= 0.8 -> only 0 (2 reaches it too, but is committed already)
+        (0.8, 1, [True, False, False, False]),
+        # nothing masked reaches 0.95: the at-least-one rule commits the most confident masked one (0, not 2)
+        (0.95, 1, [True, False, False, False]),
+        # a low threshold commits every masked position above it, never the committed one
+        (0.3, 1, [True, True, False, False]),
+        # a step cap asking for 2: the two most confident masked positions (0.90, 0.50)
+        (0.95, 2, [True, True, False, False]),
+        # asking for more than are masked commits every masked position and still never position 2
+        (0.95, 4, [True, True, False, True]),
+    ],
+)
+def test_select_positions_to_commit(threshold, min_to_commit, expected):
+    assert select_positions_to_commit(CONFIDENCE, IS_MASKED, threshold, min_to_commit).tolist() == [expected]
+
+
+def test_select_positions_to_commit_takes_a_per_row_minimum():
+    # Row 0 must commit 1 (its best masked: position 1, 0.7); row 1 must commit 2 (0.6 and 0.5, not the 0.9 at the
+    # committed position 0).
+    confidence = torch.tensor([[0.1, 0.7, 0.2], [0.9, 0.6, 0.5]])
+    is_masked = torch.tensor([[True, True, True], [False, True, True]])
+    selected = select_positions_to_commit(confidence, is_masked, 0.95, torch.tensor([1, 2]))
+    assert selected.tolist() == [[False, True, False], [False, True, True]]
+
+
+def test_min_commits_per_step_finishes_the_block_within_the_cap():
+    # 7 masked with 2 steps left -> ceil(7 / 2) = 4 now; 1 masked with 3 steps left -> 1; no cap -> 1.
+    is_masked = torch.tensor([[True] * 7 + [False], [True] + [False] * 7])
+    assert min_commits_per_step(is_masked, 2).tolist()[0] == 4
+    assert min_commits_per_step(is_masked, 3).tolist()[1] == 1
+    assert min_commits_per_step(is_masked, None) == 1
+
+
+def test_denoising_step_never_proposes_the_mask_token(tiny_model):
+    # The mask column holds the largest logit everywhere; the runner-up (token 5 at 3.0) must be committed instead,
+    # and committed positions (0) keep their token.
+    logits = torch.zeros(1, 4, 128)
+    logits[..., MASK_ID] = 10.0
+    logits[..., 5] = 3.0
+    canvas = torch.tensor([[42, MASK_ID, MASK_ID, MASK_ID]])
+    to_decode = canvas == MASK_ID
+    config = CloverGenerationConfig(threshold=0.01, mask_token_id=MASK_ID)
+    new_canvas, committed = tiny_model._denoising_step(
+        canvas, logits, to_decode, canvas, LogitsProcessorList(), config, None, None
+    )
+    assert new_canvas.tolist() == [[42, 5, 5, 5]]
+    assert committed.tolist() == [[False, True, True, True]]
+
+
+# ------------------------------------------------------------------------------------------------ output format
+
+
+def test_output_has_exactly_max_new_tokens_columns_and_pad_after_eos(model):
+    prompt = random_ids(1, 6, seed=1)
+    eos_id = int(generate(model, prompt, threshold=0.3).sequences[0, 6 + 10])
+    out = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
+    assert isinstance(out, CloverGenerationOutput)
+    assert out.sequences.shape == (1, 6 + MAX_NEW_TOKENS)  # every row ended early, still all the columns
+    assert torch.equal(out.sequences[:, :6], prompt)
+    new = out.sequences[0, 6:].tolist()
+    end = new.index(eos_id)
+    assert all(token == PAD_ID for token in new[end + 1 :])
+    assert int(out.num_new_tokens) == end + 1
+    torch.testing.assert_close(out.tokens_per_forward, out.num_new_tokens / out.num_forward_passes)
+    plain = model.generate(prompt, threshold=0.3, eos_token_id=eos_id, max_new_tokens=MAX_NEW_TOKENS)
+    assert torch.equal(plain, out.sequences)
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+
+class RecordingStreamer:
+    def __init__(self):
+        self.events = []
+
+    def put(self, value):
+        self.events.append(("put", value.clone()))
+
+    def put_draft(self, value):
+        self.events.append(("draft", value.clone()))
+
+    def end(self):
+        self.events.append(("end", None))
+
+
+def test_streamer_gets_the_prompt_then_each_block_with_drafts_in_between(model):
+    prompt = random_ids(1, 6, seed=1)
+    streamer = RecordingStreamer()
+    out = generate(model, prompt, threshold=0.3, streamer=streamer)
+    kinds = [kind for kind, _ in streamer.events]
+    assert kinds[0] == "put" and torch.equal(streamer.events[0][1].reshape(1, -1), prompt)
+    assert kinds[-1] == "end" and kinds.count("end") == 1
+    assert kinds.count("draft") == int(out.num_forward_passes)  # one draft per denoising step
+
+    blocks, drafts = [], []
+    for kind, value in streamer.events[1:-1]:
+        if kind == "draft":
+            drafts.append(value)
+        else:  # a committed block: drafts came before it, the last one is the finished canvas
+            assert drafts, "a block was put without a draft before it"
+            assert drafts[-1][0, : value.numel()].tolist() == value.tolist()
+            blocks.append(value)
+            drafts = []
+    assert [b.numel() for b in blocks] == [8, 8, 8, 6]
+    assert torch.cat(blocks).tolist() == out.sequences[0, 6:].tolist()
+
+
+def test_text_streamer_prints_the_new_tokens(model, capsys):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast, TextStreamer
+
+    backend = Tokenizer(WordLevel({f"t{i}": i for i in range(128)}, unk_token="t1"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    prompt = random_ids(1, 6, seed=1)
+    out = generate(model, prompt, threshold=0.3, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert capsys.readouterr().out == tokenizer.decode(out.sequences[0, 6:]) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ generation config
+
+
+def test_generation_config_round_trips_through_a_directory(tmp_path):
+    config = CloverGenerationConfig(threshold=0.7, block_size=8, max_steps_per_block=3, fuse_commit=False)
+    config.save_pretrained(tmp_path)
+    loaded = CloverGenerationConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, CloverGenerationConfig)
+    assert (loaded.threshold, loaded.block_size, loaded.max_steps_per_block, loaded.fuse_commit) == (0.7, 8, 3, False)
+
+
+def test_model_generation_config_is_a_clover_config_also_after_reloading(tiny_model, tmp_path):
+    assert isinstance(tiny_model.generation_config, CloverGenerationConfig)
+    assert (tiny_model.generation_config.block_size, tiny_model.generation_config.mask_token_id) == (BLOCK, MASK_ID)
+    tiny_model.generation_config.threshold = 0.6
+    tiny_model.save_pretrained(tmp_path)
+    reloaded = CloverForBlockDiffusion.from_pretrained(tmp_path)
+    assert isinstance(reloaded.generation_config, CloverGenerationConfig)
+    assert reloaded.generation_config.threshold == 0.6
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(threshold=0.0), r"threshold \(0"),
+        (dict(threshold=1.5), r"threshold \(1.5\)"),
+        (dict(block_size=16), r"block_size \(16\)"),
+        (dict(max_new_tokens=510), r"max_new_tokens \(510\)"),
+        (dict(max_steps_per_block=0), r"max_steps_per_block \(0\)"),
+    ],
+)
+def test_bad_generation_arguments_raise_value_error_naming_the_value(tiny_model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model.generate(random_ids(1, 6), **{"max_new_tokens": 8, **kwargs})
+
+
+def test_generation_config_rejects_a_bad_threshold_on_creation():
+    with pytest.raises(ValueError, match=r"threshold \(1.5\)"):
+        CloverGenerationConfig(threshold=1.5)
+
+
+def test_mask_token_in_the_prompt_raises_value_error(tiny_model):
+    prompt = random_ids(1, 6)
+    prompt[0, 2] = MASK_ID
+    with pytest.raises(ValueError, match=f"mask token \\(id {MASK_ID}\\)"):
+        tiny_model.generate(prompt, max_new_tokens=8)
+
+
+def test_empty_prompt_raises_value_error(tiny_model):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny_model.generate(torch.empty(1, 0, dtype=torch.long), max_new_tokens=8)
+
+
+def test_right_padded_prompt_raises_value_error(tiny_model):
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="ends in padding"):
+        tiny_model.generate(random_ids(1, 6), attention_mask=attention_mask, max_new_tokens=8)
