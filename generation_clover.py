@@ -81,6 +81,9 @@ class CloverGenerationConfig(GenerationConfig):
         # Saved, `_from_model_config` makes the stock loader drop every field it does not know (threshold, ...).
         for key in ("transformers_version", "_from_model_config"):
             base.pop(key, None)
+        # Greedy unless told otherwise, written out so that pipelines see it as set and don't impose sampling.
+        if base.get("do_sample") is None:
+            base["do_sample"] = False
         return cls(
             **base,
             block_size=getattr(model_config, "block_size", None),

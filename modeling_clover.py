@@ -436,7 +436,9 @@ class CloverGatedDeltaNet(nn.Module):
 
 
 def eager_attention(query, key, value, mask, scaling):
-    """Reference attention. query (b, h, q, d); key/value (b, h, k, d) already repeated; mask bool (b, 1, q, k)."""
+    """Reference attention. query (b, h, q, d); key/value (b, kv_heads, k, d); mask bool (b, 1, q, k)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = (query @ key.transpose(-1, -2)) * scaling
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # fp32 softmax: bf16 sums drift
@@ -444,7 +446,8 @@ def eager_attention(query, key, value, mask, scaling):
 
 
 def sdpa_attention(query, key, value, mask, scaling):
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    # enable_gqa reads the shared KV heads in place: no repeated copy of a long cache per step.
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
 ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention}
@@ -476,7 +479,6 @@ class CloverAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         cache: CloverCache | None = None,
-        commit_length: int = 0,
     ) -> torch.Tensor:
         batch_size, seq_len, _ = hidden_states.shape
         query, gate = self.q_proj(hidden_states).view(batch_size, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
@@ -487,15 +489,9 @@ class CloverAttention(nn.Module):
         cos, sin = position_embeddings
         query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
-        if cache is not None:
-            past_key, past_value = cache.attention_kv(self.layer_idx)
-            if commit_length > 0:
-                cache.update_attention(self.layer_idx, key[:, :, :commit_length], value[:, :, :commit_length])
-            if past_key is not None:
-                key, value = torch.cat([past_key, key], dim=2), torch.cat([past_value, value], dim=2)
+        if cache is not None:  # committed keys, then this forward's (only the first commit_length stay committed)
+            key, value = cache.attention_kv(self.layer_idx, key, value)
 
-        groups = self.num_heads // self.num_kv_heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         attention = ATTENTION_FUNCTIONS[self.config._attn_implementation]
         output = attention(query, key, value, attention_mask, self.scaling)  # (batch, heads, seq, head_dim)
         output = output.transpose(1, 2).reshape(batch_size, seq_len, -1) * torch.sigmoid(gate)
@@ -606,7 +602,7 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
         if self.layer_type == "linear_attention":
             hidden_states = self.linear_attn(hidden_states, padding_mask, cache, commit_length, layout)
         else:
-            hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache, commit_length)
+            hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
         hidden_states = residual + hidden_states
         moe_out, router_logits = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + moe_out, router_logits
@@ -637,15 +633,24 @@ class CloverCache:
         """Number of committed tokens (padding included)."""
         return self._seen_tokens
 
-    def attention_kv(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.key_cache[layer_idx], self.value_cache[layer_idx]
-
-    def update_attention(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.key_cache[layer_idx] is None:
-            self.key_cache[layer_idx], self.value_cache[layer_idx] = key, value
-        else:
-            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key], dim=2)
-            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value], dim=2)
+    def attention_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes a forward's keys/values (batch, kv_heads, new, head_dim) right after the committed ones and returns
+        views over committed + new. Nothing is committed here: `advance` moves the committed length, so keys past
+        it are scratch that the next forward overwrites. The buffers grow geometrically, so a step never copies
+        the whole cache."""
+        length, new = self._seen_tokens, key.shape[2]
+        buffer = self.key_cache[layer_idx]
+        if buffer is None or buffer.shape[2] < length + new:
+            capacity = max(length + new, 2 * (buffer.shape[2] if buffer is not None else 0), 256)
+            for store in (self.key_cache, self.value_cache):
+                old = store[layer_idx]
+                grown = key.new_empty(*key.shape[:2], capacity, key.shape[3])
+                if old is not None:
+                    grown[:, :, :length] = old[:, :, :length]
+                store[layer_idx] = grown
+        self.key_cache[layer_idx][:, :, length : length + new] = key
+        self.value_cache[layer_idx][:, :, length : length + new] = value
+        return self.key_cache[layer_idx][:, :, : length + new], self.value_cache[layer_idx][:, :, : length + new]
 
     def update_linear(self, layer_idx: int, conv_inputs: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         """conv_inputs (batch, channels, new): the pre-conv inputs just committed; keeps the last kernel - 1."""
@@ -659,9 +664,10 @@ class CloverCache:
         self._seen_tokens += num_tokens
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the cache holds (for checks and for moving it)."""
-        groups = (self.key_cache, self.value_cache, self.conv_states, self.recurrent_states)
-        return [t for group in groups for t in group if t is not None]
+        """Every committed tensor of the cache (attention entries up to the committed length)."""
+        length = self._seen_tokens
+        attention = [t[:, :, :length] for t in self.key_cache + self.value_cache if t is not None]
+        return attention + [t for t in self.conv_states + self.recurrent_states if t is not None]
 
     def copy(self) -> CloverCache:
         new = CloverCache.__new__(CloverCache)
