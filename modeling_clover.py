@@ -633,7 +633,9 @@ class CloverCache:
         """Number of committed tokens (padding included)."""
         return self._seen_tokens
 
-    def attention_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_kv(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a forward's keys/values (batch, kv_heads, new, head_dim) right after the committed ones and returns
         views over committed + new. Nothing is committed here: `advance` moves the committed length, so keys past
         it are scratch that the next forward overwrites. The buffers grow geometrically, so a step never copies

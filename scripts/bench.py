@@ -207,7 +207,9 @@ def main() -> None:
     print(f"{'tokens per forward':38} {g['tokens_per_forward']:10.2f}")
     for length, seconds in step_seconds.items():
         print(f"{f'ms per denoising step, prompt {length}':38} {1000 * seconds:10.2f}")
-    print(f"{f'step time ratio {longest} / {shortest}':38} {report['step_ratio_longest_to_shortest']:10.2f} {'<= 1.5':>10}")
+    print(
+        f"{f'step time ratio {longest} / {shortest}':38} {report['step_ratio_longest_to_shortest']:10.2f} {'<= 1.5':>10}"
+    )
     print(f"{'loop overhead (wall / forwards)':38} {g['overhead']:10.3f} {'<= 1.15':>10}")
     print(f"{'forwards per block':38} {g['forwards_per_block']:10.2f}")
     print(f"{'denoising steps per block':38} {g['denoising_steps_per_block']:10.2f} {'== above':>10}")

@@ -63,7 +63,8 @@ def evaluate(model, tokenizer, examples, threshold: float, batch_size: int, max_
 def summarise(stats: dict) -> dict:
     total = {k: sum(s[k] for s in stats.values()) for k in ("correct", "total", "new_tokens", "forwards")}
     return {
-        "accuracy": {f: s["correct"] / s["total"] for f, s in stats.items()} | {"all": total["correct"] / total["total"]},
+        "accuracy": {f: s["correct"] / s["total"] for f, s in stats.items()}
+        | {"all": total["correct"] / total["total"]},
         "tokens_per_forward": total["new_tokens"] / max(total["forwards"], 1),
         "counts": stats,
     }

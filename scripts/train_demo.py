@@ -55,7 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--complementary", action="store_true", help="also train each example on its mask's complement")
+    parser.add_argument(
+        "--complementary", action="store_true", help="also train each example on its mask's complement"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args()
 
@@ -128,7 +130,9 @@ def main() -> None:
         prompt_ids, answer_ids = encode_example(tokenizer, example, config.max_position_embeddings - config.block_size)
         encoded.append({"prompt_ids": prompt_ids, "answer_ids": answer_ids})
     batches = make_batches(encoded, args.batch_tokens, rng)
-    collator = CloverDataCollator(tokenizer.pad_token_id, config.block_size, seed=args.seed, complementary=args.complementary)
+    collator = CloverDataCollator(
+        tokenizer.pad_token_id, config.block_size, seed=args.seed, complementary=args.complementary
+    )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     # Time-based schedule: warmup, then cosine to 10% over the budget, so the run ends on time on any machine.
