@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, logging
@@ -82,6 +83,11 @@ class CloverRMSNormGated(nn.Module):
         return (hidden_states.float() * F.silu(gate.float())).to(dtype)
 
 
+def rotary_inverse_frequencies(config: CloverConfig) -> torch.Tensor:
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
 class CloverRotaryEmbedding(nn.Module):
     """Partial RoPE: only the first `rotary_dim` channels of each head rotate (a quarter of 256 in Clover).
 
@@ -90,10 +96,7 @@ class CloverRotaryEmbedding(nn.Module):
 
     def __init__(self, config: CloverConfig):
         super().__init__()
-        dim = config.rotary_dim
-        base = config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rotary_inverse_frequencies(config), persistent=False)
 
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -707,30 +710,34 @@ class CloverPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        # transformers' init functions skip tensors already loaded from a checkpoint; raw in-place ops would not.
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
+            init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                module.bias.zero_()
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Conv1d):
-            # Default PyTorch init for the short depthwise conv (uniform in +-1/sqrt(kernel)).
+            # PyTorch's default for the short depthwise conv: uniform in +-1/sqrt(kernel).
             bound = 1.0 / math.sqrt(module.weight.shape[-1])
-            module.weight.uniform_(-bound, bound)
+            init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, CloverRMSNorm):
-            module.weight.zero_()  # zero-centred: scale 1
+            init.zeros_(module.weight)  # zero-centred: scale 1
         elif isinstance(module, CloverRMSNormGated):
-            module.weight.fill_(1.0)
+            init.ones_(module.weight)
         elif isinstance(module, CloverGatedDeltaNet):
-            module.dt_bias.fill_(1.0)
+            init.ones_(module.dt_bias)
             # Decay rates spread over [1, 16] so heads remember on different time scales.
-            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1, 16).log())
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
         elif isinstance(module, CloverExperts):
-            module.gate_up_proj.normal_(0.0, std)
-            module.down_proj.normal_(0.0, std)
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, CloverRouter):
-            module.weight.normal_(0.0, std)
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, CloverRotaryEmbedding):
+            # A non-persistent buffer: never in a checkpoint, so recomputed after every load.
+            init.copy_(module.inv_freq, rotary_inverse_frequencies(self.config))
 
 
 @dataclass

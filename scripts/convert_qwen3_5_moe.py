@@ -19,7 +19,9 @@ try:
     from clover.conversion_clover import DEFAULT_MASK_TOKEN_ID, convert_qwen3_5_moe
 except ImportError:  # a checkout that is not pip-installed: load the repository root as the `clover` package
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("clover", root / "__init__.py", submodule_search_locations=[str(root)])
+    spec = importlib.util.spec_from_file_location(
+        "clover", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
     sys.modules["clover"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules["clover"])
     from clover.conversion_clover import DEFAULT_MASK_TOKEN_ID, convert_qwen3_5_moe

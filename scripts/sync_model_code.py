@@ -1,0 +1,30 @@
+"""Copies the package's code files into a Clover checkpoint directory (default: the shipped demo model).
+
+    python scripts/sync_model_code.py [DIR ...]
+
+A checkpoint runs its own copy of configuration_clover.py, modeling_clover.py and generation_clover.py under
+trust_remote_code; after changing the package, refresh the copies so the checkpoint runs the new code.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
+
+
+def main(argv: list[str]) -> None:
+    targets = [Path(a) for a in argv] or [REPO / "models" / "clover-tiny-demo"]
+    for target in targets:
+        if not (target / "config.json").is_file():
+            sys.exit(f"{target} is not a checkpoint directory (no config.json).")
+        for name in CODE_FILES:
+            shutil.copyfile(REPO / name, target / name)
+        print(f"updated {target}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,96 @@
+"""The shipped tiny Clover: it loads as remote code, carries the package's current code, and works through the
+entry points users have (pipelines, scripts/generate.py, scripts/train.py with LoRA)."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
+CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(SHIPPED)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(SHIPPED, trust_remote_code=True).eval()
+
+
+def _chat_ids(tokenizer, text: str, thinking: bool = False) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=thinking, tokenize=False
+    )
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_shipped_model_carries_the_current_code_files():
+    # A checkpoint loads its own copy of the code: it must be the package's, or users run stale code.
+    for name in CODE_FILES:
+        assert filecmp.cmp(SHIPPED / name, REPO / name, shallow=False), f"{name} differs: run scripts/sync_model_code.py"
+    config = json.loads((SHIPPED / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+
+
+def test_shipped_model_loads_as_remote_code_and_is_small(model):
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert type(model).__name__ == "CloverForBlockDiffusion"
+    assert sum(f.stat().st_size for f in SHIPPED.iterdir()) < 20 * 2**20
+    assert type(model.generation_config).__name__ == "CloverGenerationConfig"
+    assert model.generation_config.threshold == 0.95
+
+
+def test_shipped_model_answers_an_addition_exactly(model, tokenizer):
+    ids = torch.tensor([_chat_ids(tokenizer, "What is 4821 + 377?")])
+    out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+    reply = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    assert "4821 + 377 = 5198" in reply, reply
+    assert float(out.tokens_per_forward[0]) > 1.0
+
+
+def test_pipeline_plain_prompt_and_full_text(tokenizer):
+    generator = pipeline("text-generation", model=str(SHIPPED), trust_remote_code=True)
+    prompt = tokenizer.decode(_chat_ids(tokenizer, "Reverse the words: apple river stone"))
+    full = generator(prompt, max_new_tokens=32)[0]["generated_text"]
+    new = generator(prompt, max_new_tokens=32, return_full_text=False)[0]["generated_text"]
+    assert full == prompt + new
+    assert "stone river apple" in new, new
+
+
+def test_pipeline_chat_messages_batched_equal_one_by_one():
+    generator = pipeline("text-generation", model=str(SHIPPED), trust_remote_code=True)
+    chats = [
+        [{"role": "user", "content": "Sort these numbers: 5, 3, 9, 1, 7"}],
+        [{"role": "user", "content": "What is 123 + 456?"}],
+    ]
+    batched = generator(chats, max_new_tokens=48, batch_size=2, return_full_text=False)
+    single = [generator(chat, max_new_tokens=48, return_full_text=False) for chat in chats]
+    assert [b[0]["generated_text"] for b in batched] == [s[0]["generated_text"] for s in single]
+    assert "1, 3, 5, 7, 9" in batched[0][0]["generated_text"]
+
+
+def test_generate_script_streams_and_reports_speed():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "generate.py"), "--model", str(SHIPPED), "What is 250 + 250?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[answer]" in result.stdout and "500" in result.stdout, result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert "new tokens" in last and "tokens/forward" in last and "tok/s" in last, last
