@@ -51,6 +51,9 @@ class CloverGenerationConfig(GenerationConfig):
         mask_token_id (`int`, *optional*): defaults to the model's `config.mask_token_id`.
         fuse_commit (`bool`, defaults to True):
             Commit each finished block inside the next block's first denoising forward instead of a forward of its own.
+        compile (`bool`, defaults to False):
+            Run the denoising forwards through `torch.compile` (dynamic shapes) on a cache allocated for the whole
+            generation up front. The first call pays the compilation; later calls reuse it.
     """
 
     def __init__(self, **kwargs):
@@ -59,6 +62,7 @@ class CloverGenerationConfig(GenerationConfig):
         self.max_steps_per_block = kwargs.pop("max_steps_per_block", None)
         self.mask_token_id = kwargs.pop("mask_token_id", None)
         self.fuse_commit = kwargs.pop("fuse_commit", True)
+        self.compile = kwargs.pop("compile", False)
         super().__init__(**kwargs)
         self.validate_clover()
 
@@ -213,7 +217,8 @@ class CloverGenerationMixin(GenerationMixin):
 
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        cache = self._prefill(input_ids, attention_mask)
+        cache = self._prefill(input_ids, attention_mask, prompt_len + num_blocks * block_size + block_size)
+        decoder = self._compiled_decoder() if config.compile else self.model
         sequences = input_ids
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         num_forwards = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -233,7 +238,7 @@ class CloverGenerationMixin(GenerationMixin):
             steps = 0
             while bool(to_decode.any()):
                 logits = self._denoising_forward(
-                    canvas, pending, cache, full_mask, next_position, start, prompt_len, config
+                    decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len
                 )
                 num_forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
                 pending = None
@@ -379,16 +384,23 @@ class CloverGenerationMixin(GenerationMixin):
                 processors.append(TopPLogitsWarper(config.top_p))
         return processors
 
-    def _prefill(self, input_ids, attention_mask) -> CloverCache:
+    def _prefill(self, input_ids, attention_mask, max_length: int) -> CloverCache:
         from .modeling_clover import CloverCache
 
-        cache = CloverCache(self.config)
+        cache = CloverCache(self.config, max_length=max_length)
         self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
         return cache
 
     # ---- 2. the block loop ----------------------------------------------------------------------------------------
 
-    def _denoising_forward(self, canvas, pending, cache, full_mask, next_position, start, prompt_len, config):
+    def _compiled_decoder(self):
+        """The decoder stack compiled once per model (dynamic shapes: the cache grows by a block at a time)."""
+        if getattr(self, "_clover_compiled_decoder", None) is None:
+            # Compile the bound forward, not the module: a module attribute would join the state dict.
+            self._clover_compiled_decoder = torch.compile(self.model.forward, dynamic=True)
+        return self._clover_compiled_decoder
+
+    def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len):
         """Logits of the canvas (batch, block, vocab). With a pending block, one forward over [pending, canvas]
         commits the pending block to the cache (its first block_size tokens) and denoises the canvas."""
         block_size = canvas.shape[1]
@@ -396,7 +408,7 @@ class CloverGenerationMixin(GenerationMixin):
         offset = start - (0 if pending is None else block_size)  # first generated column of this forward
         positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
         block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
-        outputs = self.model(
+        outputs = decoder(
             input_ids=inputs,
             attention_mask=full_mask[:, : prompt_len + offset + inputs.shape[1]],
             position_ids=positions,

@@ -622,7 +622,10 @@ class CloverCache:
 
     is_compileable = False
 
-    def __init__(self, config: CloverConfig):
+    def __init__(self, config: CloverConfig, max_length: int | None = None):
+        """`max_length`: allocate the attention buffers for this many tokens up front (a static cache: no
+        re-allocation while decoding, steady shapes for torch.compile)."""
+        self.max_length = max_length or 0
         self.layer_types = list(config.layer_types)
         self.conv_kernel_size = config.linear_conv_kernel_dim
         num_layers = len(self.layer_types)
@@ -646,7 +649,7 @@ class CloverCache:
         length, new = self._seen_tokens, key.shape[2]
         buffer = self.key_cache[layer_idx]
         if buffer is None or buffer.shape[2] < length + new:
-            capacity = max(length + new, 2 * (buffer.shape[2] if buffer is not None else 0), 256)
+            capacity = max(length + new, 2 * (buffer.shape[2] if buffer is not None else 0), 256, self.max_length)
             for store in (self.key_cache, self.value_cache):
                 old = store[layer_idx]
                 grown = key.new_empty(*key.shape[:2], capacity, key.shape[3])
@@ -802,7 +805,8 @@ class CloverModel(CloverPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if input_ids is not None:
-            self._check_token_ids(input_ids)
+            if not torch.compiler.is_compiling():
+                self._check_token_ids(input_ids)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len = inputs_embeds.shape[:2]
         device = inputs_embeds.device
@@ -913,6 +917,8 @@ class CloverOutput(ModelOutput):
 
 
 class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
+    # The loss is normalised inside (by supervised tokens); Trainer must still scale it for gradient accumulation.
+    accepts_loss_kwargs = False
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}

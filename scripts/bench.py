@@ -181,7 +181,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_grad_enabled(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     twin = autoregressive_twin(model)
     examples = generate_examples(args.prompts, seed=777, families=FAMILIES)

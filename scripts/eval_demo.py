@@ -105,7 +105,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_grad_enabled(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}

@@ -58,7 +58,7 @@ def main() -> None:
     args = parse_args()
     if not Path(args.model).is_dir():
         sys.exit(f"No checkpoint at {args.model}: pass --model DIR (a Clover checkpoint directory).")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, device_map="auto")
     thinking = not args.no_thinking and not args.raw
     if args.raw:

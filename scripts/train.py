@@ -19,11 +19,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 from clover.training_clover import CloverDataCollator, encode_chat_example, read_chat_jsonl
 
-LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]
+LORA_MODULES = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -70,7 +81,9 @@ def main(argv=None) -> None:
     output = Path(args.output)
     if output.exists() and any(output.iterdir()) and not args.force:
         sys.exit(f"{output} exists and is not empty; pass --force to replace it.")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    set_seed(args.seed)  # before the LoRA init, which Trainer's own seeding comes too late for
+    # trust_remote_code: the config is remote code, and without it AutoTokenizer asks on stdin before loading.
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     max_length = args.max_length or model.config.max_position_embeddings
     try:
@@ -89,7 +102,21 @@ def main(argv=None) -> None:
         model = apply_lora(model, args.lora)
         model.print_trainable_parameters()
 
-    work = Path(tempfile.mkdtemp(prefix=".clover-train-", dir=output.parent if output.parent.exists() else None))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".clover-train-", dir=output.parent))  # same filesystem: rename is atomic
+    try:
+        model = _train_and_save(args, model, tokenizer, train_set, eval_set, output, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # checkpoints and a half-written model go, on failure too
+    print(f"saved {output}")
+    if args.push_to_hub:
+        model.push_to_hub(args.push_to_hub)
+        tokenizer.push_to_hub(args.push_to_hub)
+        print(f"pushed to {args.push_to_hub}")
+
+
+def _train_and_save(args, model, tokenizer, train_set, eval_set, output: Path, work: Path):
+    """Trains in `work`, saves there, then swaps the result into `output`; returns the model as saved."""
     training_args = TrainingArguments(
         output_dir=str(work / "checkpoints"),
         num_train_epochs=args.epochs,
@@ -117,12 +144,7 @@ def main(argv=None) -> None:
     if output.exists():
         shutil.rmtree(output)
     final.rename(output)  # whole or nothing: the previous output survives any failure before this line
-    shutil.rmtree(work, ignore_errors=True)
-    print(f"saved {output}")
-    if args.push_to_hub:
-        model.push_to_hub(args.push_to_hub)
-        tokenizer.push_to_hub(args.push_to_hub)
-        print(f"pushed to {args.push_to_hub}")
+    return model
 
 
 if __name__ == "__main__":

@@ -399,3 +399,13 @@ def test_right_padded_prompt_raises_value_error(tiny_model):
     attention_mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
     with pytest.raises(ValueError, match="ends in padding"):
         tiny_model.generate(random_ids(1, 6), attention_mask=attention_mask, max_new_tokens=8)
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_path_gives_the_same_tokens(tiny_model):
+    # torch.compile takes minutes on CPU: run with --runslow.
+    prompt = torch.randint(2, 120, (1, 11), generator=torch.Generator().manual_seed(3))
+    eager = tiny_model.generate(prompt, max_new_tokens=20, threshold=0.5)
+    compiled = tiny_model.generate(prompt, max_new_tokens=20, threshold=0.5, compile=True)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert not any("_clover_compiled_decoder" in name for name in tiny_model.state_dict())

@@ -1,0 +1,520 @@
+"""Fine-tuning: CloverDataCollator's batch layout and noise, the block-diffusion loss against a per-block
+reference, transformers.Trainer on a tiny Clover, and scripts/train.py end to end on the demo checkpoint (LoRA on
+the attention, GDN and fused 3D experts; merge, adapter, push_to_hub to a local stand-in Hub, bad data)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+from clover.modeling_clover import CloverForBlockDiffusion
+from clover.training_clover import CloverDataCollator
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
+CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
+WORDS = (
+    "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
+)
+
+needs_demo = pytest.mark.skipif(not (DEMO / "config.json").exists(), reason=f"no demo checkpoint at {DEMO}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CloverDataCollator
+# --------------------------------------------------------------------------------------------------------------------
+
+PAD, EOS, MASK = 0, 126, 127
+
+
+def _features(lengths: list[tuple[int, int]]) -> list[dict]:
+    """(prompt_len, answer_len) -> features with distinct ids; each answer ends with EOS."""
+    out = []
+    for row, (prompt_len, answer_len) in enumerate(lengths):
+        prompt = [1 + (row * 7 + i) % 60 for i in range(prompt_len)]
+        answer = [61 + (row * 5 + i) % 60 for i in range(answer_len - 1)] + [EOS]
+        out.append({"prompt_ids": prompt, "answer_ids": answer})
+    return out
+
+
+def test_collator_lines_answers_up_and_supervises_through_the_last_block():
+    features = [
+        {"prompt_ids": [5, 6, 7], "answer_ids": [10, 11, 12, 13, 14, EOS]},  # 6 answer tokens: 2 blocks of 4
+        {"prompt_ids": [8], "answer_ids": [20, EOS]},  # 2 answer tokens: 1 block, then an unsupervised block
+    ]
+    batch = CloverDataCollator(pad_token_id=PAD, block_size=4)(features)
+    _ = -100
+    # prompts left-padded to 3 columns; answers from column 3, right-padded to the widest answer's 2 blocks
+    torch.testing.assert_close(batch["input_ids"], torch.tensor([
+        [5, 6, 7, 10, 11, 12, 13, 14, EOS, PAD, PAD],
+        [PAD, PAD, 8, 20, EOS, PAD, PAD, PAD, PAD, PAD, PAD],
+    ]))  # fmt: skip
+    torch.testing.assert_close(batch["attention_mask"], torch.tensor([[1] * 11, [0, 0] + [1] * 9]))
+    torch.testing.assert_close(batch["block_ids"], torch.tensor([[-1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1]] * 2))
+    # pad after EOS is supervised up to the end of the row's last block, nothing after it
+    torch.testing.assert_close(batch["labels"], torch.tensor([
+        [_, _, _, 10, 11, 12, 13, 14, EOS, PAD, PAD],
+        [_, _, _, 20, EOS, PAD, PAD, _, _, _, _],
+    ]))  # fmt: skip
+
+
+def test_collator_noise_is_reproducible_per_seed_and_differs_across_seeds():
+    features = _features([(3, 20), (5, 9), (2, 30), (4, 17)])
+    first = CloverDataCollator(PAD, 8, seed=7)(features)
+    again = CloverDataCollator(PAD, 8, seed=7)(features)
+    other = CloverDataCollator(PAD, 8, seed=8)(features)
+    torch.testing.assert_close(first["noise_mask"], again["noise_mask"])
+    torch.testing.assert_close(first["noise_level"], again["noise_level"])
+    assert not torch.equal(first["noise_level"], other["noise_level"])
+    assert not torch.equal(first["noise_mask"], other["noise_mask"])
+
+
+def test_collator_draws_fresh_noise_on_every_call():
+    # One collator serves a whole run: each epoch must see new masks, not the first batch's again.
+    collator = CloverDataCollator(PAD, 8, seed=0)
+    features = _features([(3, 20), (5, 9)])
+    assert not torch.equal(collator(features)["noise_mask"], collator(features)["noise_mask"])
+
+
+def test_collator_masks_only_supervised_tokens_with_one_level_per_block():
+    features = _features([(3, 20), (5, 9), (2, 30), (4, 17)])
+    batch = CloverDataCollator(PAD, 8, seed=3, eps=1e-3)(features)
+    supervised = batch["labels"] != -100
+    assert batch["noise_mask"].any()
+    assert not (batch["noise_mask"] & ~supervised).any()
+    level, block_ids = batch["noise_level"], batch["block_ids"]
+    assert bool((level[block_ids < 0] == 1).all())  # outside the answer blocks the level is a neutral 1
+    for row in range(len(features)):
+        for block in range(int(block_ids.max()) + 1):
+            levels = level[row][block_ids[row] == block]
+            assert bool((levels == levels[0]).all()), (row, block)  # t is drawn per (row, block)
+            assert 1e-3 <= float(levels[0]) < 1
+
+
+def test_collator_complementary_doubles_the_batch_with_the_complement_mask():
+    features = _features([(3, 20), (5, 9), (2, 30)])
+    plain = CloverDataCollator(PAD, 8, seed=5)(features)
+    pair = CloverDataCollator(PAD, 8, seed=5, complementary=True)(features)
+    n = len(features)
+    for key in ("input_ids", "attention_mask", "labels", "block_ids"):
+        torch.testing.assert_close(pair[key], torch.cat([plain[key], plain[key]]))
+    torch.testing.assert_close(pair["noise_mask"][:n], plain["noise_mask"])
+    supervised = plain["labels"] != -100
+    first, second = pair["noise_mask"][:n], pair["noise_mask"][n:]
+    assert not (first & second).any()
+    torch.testing.assert_close(first | second, supervised)  # every supervised token masked exactly once per pair
+    in_block = plain["block_ids"] >= 0
+    torch.testing.assert_close(pair["noise_level"][n:][in_block], 1 - plain["noise_level"][in_block])
+    torch.testing.assert_close(pair["noise_level"][n:][~in_block], plain["noise_level"][~in_block])
+
+
+@pytest.mark.parametrize("empty", ["prompt_ids", "answer_ids"])
+def test_collator_rejects_an_empty_prompt_or_answer_naming_the_example(empty):
+    features = _features([(3, 5), (4, 6), (2, 3)])
+    features[2][empty] = []
+    with pytest.raises(ValueError, match=r"Example 2 has an empty " + empty.split("_")[0]):
+        CloverDataCollator(PAD, 8)(features)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The loss and transformers.Trainer on a tiny Clover
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
+    # SPEC: block k is noised and sees the prompt and the *clean* blocks < k. The reference runs one plain
+    # block-causal forward per (row, block) on [prompt, clean blocks < k, noisy block k], unpadded, and weights
+    # the CE of the masked tokens by 1/t over the number of supervised tokens.
+    features = _features([(3, 19), (5, 7)])
+    batch = CloverDataCollator(PAD, 8, seed=1)(features)
+    loss = tiny_model(**batch).loss
+    answer_start = int((batch["block_ids"][0] >= 0).nonzero()[0])
+    total = torch.zeros(())
+    for row, feature in enumerate(features):
+        prompt = torch.tensor(feature["prompt_ids"])
+        answer = batch["input_ids"][row, answer_start:]
+        masked = batch["noise_mask"][row, answer_start:]
+        level = batch["noise_level"][row, answer_start:]
+        for block in range(answer.shape[0] // 8):
+            cols = slice(8 * block, 8 * block + 8)
+            if not masked[cols].any():
+                continue
+            noisy = torch.where(masked[cols], MASK, answer[cols])
+            input_ids = torch.cat([prompt, answer[: 8 * block], noisy])[None]
+            block_ids = torch.cat([torch.full((len(prompt),), -1), torch.arange(8 * (block + 1)) // 8])[None]
+            logits = tiny_model(input_ids=input_ids, block_ids=block_ids, use_cache=False).logits[0, -8:]
+            token_loss = F.cross_entropy(logits[masked[cols]], answer[cols][masked[cols]], reduction="none")
+            total = total + (token_loss / level[cols][masked[cols]]).sum()
+    expected = total / (batch["labels"] != -100).sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def _copy_task(num: int, seed: int = 0) -> list[dict]:
+    """Answer = each prompt token + 60, then EOS: learnable from the prompt by a tiny model."""
+    generator = torch.Generator().manual_seed(seed)
+    features = []
+    for _ in range(num):
+        prompt = torch.randint(1, 60, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
+        features.append({"prompt_ids": prompt.tolist(), "answer_ids": (prompt + 60).tolist() + [EOS]})
+    return features
+
+
+def _training_args(tmp_path, **overrides) -> TrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path / "trainer"),
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**defaults, **overrides})
+
+
+@torch.no_grad()
+def _fixed_batch_loss(model, batch) -> float:
+    was_training = model.training
+    model.eval()
+    loss = float(model(**batch).loss)
+    model.train(was_training)
+    return loss
+
+
+def test_trainer_trains_a_tiny_clover_and_the_loss_decreases(tiny_model, tmp_path):
+    collator = CloverDataCollator(PAD, tiny_model.config.block_size, seed=0)
+    held_out = CloverDataCollator(PAD, tiny_model.config.block_size, seed=123)(_copy_task(16, seed=1))
+    before = _fixed_batch_loss(tiny_model, held_out)
+    args = _training_args(tmp_path, num_train_epochs=6)
+    trainer = Trainer(model=tiny_model, args=args, train_dataset=_copy_task(32), data_collator=collator)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 24 and all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    after = _fixed_batch_loss(tiny_model, held_out)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_trainer_gradient_accumulation_logs_the_mean_micro_batch_loss(tiny_model, tmp_path):
+    features = _copy_task(1) * 4  # identical examples: the order Trainer draws them in does not matter
+    block_size = tiny_model.config.block_size
+    reference = CloverDataCollator(PAD, block_size, seed=0)  # replays the noise Trainer's collator will draw
+    micro_losses = [_fixed_batch_loss(tiny_model, reference(features[:2])) for _ in range(2)]
+    args = _training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1)
+    collator = CloverDataCollator(PAD, block_size, seed=0)
+    trainer = Trainer(model=tiny_model, args=args, train_dataset=features, data_collator=collator)
+    trainer.train()
+    logged = trainer.state.log_history[0]["loss"]
+    assert logged == pytest.approx(sum(micro_losses) / 2, rel=1e-3), (logged, micro_losses)
+
+
+def test_trainer_with_gradient_checkpointing_gives_a_finite_loss(tiny_model, tmp_path):
+    collator = CloverDataCollator(PAD, tiny_model.config.block_size, seed=0)
+    args = _training_args(tmp_path, gradient_checkpointing=True, max_steps=2)
+    trainer = Trainer(model=tiny_model, args=args, train_dataset=_copy_task(16), data_collator=collator)
+    trainer.train()
+    assert all(layer.gradient_checkpointing for layer in tiny_model.model.layers)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_config):
+    batch = CloverDataCollator(PAD, 8, seed=2)(_copy_task(4))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = CloverForBlockDiffusion(tiny_config()).float().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(**batch).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# scripts/train.py on the demo checkpoint
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_script():
+    spec = importlib.util.spec_from_file_location("clover_train_script", REPO / "scripts" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO, trust_remote_code=True)
+
+
+def _load(path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+
+
+def _repeat_record(word: str) -> dict:
+    messages = [
+        {"role": "user", "content": f"Repeat the word: {word}"},
+        {"role": "assistant", "content": f"{word} {word} {word}"},
+    ]
+    return {"messages": messages, "enable_thinking": False}
+
+
+def _write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+@torch.no_grad()
+def _greedy_answers(model, tokenizer, words) -> list[str]:
+    answers = []
+    for word in words:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat the word: {word}"}],
+            add_generation_prompt=True,
+            enable_thinking=False,
+            tokenize=False,
+        )
+        ids = torch.tensor([tokenizer(rendered, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=16, do_sample=False)
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+LORA_RUN = ["--lora", "8", "--lr", "3e-3", "--epochs", "3", "--batch-size", "8", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def repeat_task(tmp_path_factory, train_script, demo_tokenizer):
+    """64 'Repeat the word' chats, the demo's greedy answers before, and a merged LoRA fine-tune on them."""
+    if not (DEMO / "config.json").exists():
+        pytest.skip(f"no demo checkpoint at {DEMO}")
+    root = tmp_path_factory.mktemp("repeat")
+    data = _write_jsonl(root / "repeat.jsonl", [_repeat_record(WORDS[i % len(WORDS)]) for i in range(64)])
+    before = _greedy_answers(_load(DEMO), demo_tokenizer, WORDS[:4])
+    merged = root / "merged"
+    train_script.main(["--model", str(DEMO), "--data", str(data), "--output", str(merged), *LORA_RUN])
+    return SimpleNamespace(root=root, data=data, before=before, merged=merged)
+
+
+@needs_demo
+def test_lora_targets_the_fused_expert_parameters(train_script, demo_tokenizer):
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    model = train_script.apply_lora(_load(DEMO), 8)
+    layers = model.base_model.model.model.layers
+    for layer in layers:
+        wrapped = {m.parameter_name for m in layer.mlp.experts.modules() if isinstance(m, ParamWrapper)}
+        assert wrapped == {"gate_up_proj", "down_proj"}
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == set(train_script.LORA_MODULES) | {"experts", "base_layer"}  # base_layer: the nested wrapper
+
+    # lora_B starts at zero, so its gradient is (upstream x lora_A input): non-zero only if the forward really
+    # runs through the experts' adapters.
+    records = [_repeat_record(word) for word in WORDS[:4]]
+    features = [train_script.encode_chat_example(demo_tokenizer, r, 1024) for r in records]
+    batch = CloverDataCollator(demo_tokenizer.pad_token_id, model.config.block_size, seed=0)(features)
+    model.train()
+    model(**batch).loss.backward()
+    expert_b = [p for name, p in model.named_parameters() if ".experts." in name and "lora_B" in name]
+    assert len(expert_b) == 2 * len(layers)
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in expert_b)
+
+
+def test_lora_fine_tune_changes_the_greedy_answers(repeat_task, demo_tokenizer):
+    after = _greedy_answers(_load(repeat_task.merged), demo_tokenizer, WORDS[:4])
+    assert after != repeat_task.before, after
+
+
+def test_lora_fine_tune_lowers_the_task_loss(repeat_task, train_script, demo_tokenizer):
+    records = [_repeat_record(word) for word in WORDS]
+    features = [train_script.encode_chat_example(demo_tokenizer, r, 1024) for r in records]
+    block_size = json.loads((DEMO / "config.json").read_text())["block_size"]
+    batch = CloverDataCollator(demo_tokenizer.pad_token_id, block_size, seed=123, complementary=True)(features)
+    before, after = _fixed_batch_loss(_load(DEMO), batch), _fixed_batch_loss(_load(repeat_task.merged), batch)
+    assert after < 0.95 * before, (before, after)
+
+
+def test_merged_output_is_a_plain_clover_checkpoint_with_the_experts_tuned(repeat_task):
+    merged, base = _load(repeat_task.merged), _load(DEMO)
+    assert type(merged).__name__ == "CloverForBlockDiffusion"
+    assert type(merged).__module__.startswith("transformers_modules")
+    config = json.loads((repeat_task.merged / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert all((repeat_task.merged / name).is_file() for name in CODE_FILES)
+    merged_state, base_state = merged.state_dict(), base.state_dict()
+    assert merged_state.keys() == base_state.keys()  # no lora_* / base_layer left
+    changed = {name for name in base_state if not torch.equal(merged_state[name], base_state[name])}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in changed and "model.layers.3.mlp.experts.down_proj" in changed
+    assert (
+        "model.layers.3.self_attn.q_proj.weight" in changed and "model.layers.0.linear_attn.out_proj.weight" in changed
+    )
+    assert "model.embed_tokens.weight" not in changed and "lm_head.weight" not in changed  # frozen under LoRA
+
+
+def test_keep_adapter_saves_an_adapter_that_merges_to_the_same_weights(repeat_task, train_script):
+    from peft import PeftModel
+
+    adapter = repeat_task.root / "nested" / "adapter"  # a parent that does not exist yet
+    argv = ["--model", str(DEMO), "--data", str(repeat_task.data), "--output", str(adapter), *LORA_RUN]
+    train_script.main([*argv, "--keep-adapter"])
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "model.safetensors").exists()
+    assert not list(adapter.parent.glob(".clover-train-*"))
+    loaded = PeftModel.from_pretrained(_load(DEMO), adapter)
+    assert any(".experts." in name and "lora_B" in name for name, _ in loaded.named_parameters())
+    # Same seed, same data: the run is reproducible, so merging this adapter gives the merged run's weights.
+    merged_here = loaded.merge_and_unload().state_dict()
+    shipped = _load(repeat_task.merged).state_dict()
+    for name, tensor in shipped.items():
+        torch.testing.assert_close(merged_here[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _StandInHub:
+    """Receives create_repo / create_commit in place of huggingface.co and writes the files to `root/repo_id`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.commits = []
+
+    def create_repo(self, *args, **kwargs):
+        repo_id = kwargs.get("repo_id") or args[-1]
+        (self.root / repo_id).mkdir(parents=True, exist_ok=True)
+        return SimpleNamespace(repo_id=repo_id)
+
+    def create_commit(self, *args, repo_id, operations, **kwargs):
+        for operation in operations:
+            target = self.root / repo_id / operation.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(operation.path_or_fileobj, target)
+        self.commits.append((repo_id, sorted(op.path_in_repo for op in operations)))
+        return SimpleNamespace(commit_url=f"file://{self.root / repo_id}", oid="0" * 40)
+
+
+@pytest.fixture
+def stand_in_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+    import transformers.utils.hub as transformers_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)  # whatever HTTP client huggingface_hub uses
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    hub = _StandInHub(tmp_path / "hub")
+
+    def card_not_found(*args, **kwargs):
+        raise EntryNotFoundError("README.md")  # a fresh repo: transformers writes a template card
+
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", card_not_found)
+    for name in ("create_repo", "create_commit"):
+        monkeypatch.setattr(huggingface_hub.HfApi, name, getattr(hub, name))  # transformers >= 5.2x: hf_api()
+        if hasattr(transformers_hub, name):  # older releases import the module-level functions
+            monkeypatch.setattr(transformers_hub, name, getattr(hub, name))
+    return hub
+
+
+@needs_demo
+def test_push_to_hub_uploads_a_loadable_remote_code_checkpoint(train_script, stand_in_hub, tmp_path):
+    data = _write_jsonl(tmp_path / "small.jsonl", [_repeat_record(word) for word in WORDS[:8]])
+    output = tmp_path / "out"
+    argv = ["--model", str(DEMO), "--data", str(data), "--output", str(output), "--epochs", "1"]
+    train_script.main([*argv, "--push-to-hub", "user/clover-test"])
+
+    pushed = stand_in_hub.root / "user" / "clover-test"
+    assert [repo for repo, _ in stand_in_hub.commits] == ["user/clover-test"] * 2  # the model, then the tokenizer
+    config = json.loads((pushed / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    for name in CODE_FILES:  # the checkpoint's own code travels with it
+        assert (pushed / name).read_bytes() == (DEMO / name).read_bytes(), name
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (pushed / name).is_file(), name
+    loaded = _load(pushed)
+    assert type(loaded).__module__.startswith("transformers_modules")
+    saved = _load(output).state_dict()
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], msg=name)
+    assert AutoTokenizer.from_pretrained(pushed, trust_remote_code=True).mask_token == "<|mask|>"
+
+
+def _good_lines(n: int = 2) -> list[dict]:
+    return [_repeat_record(word) for word in WORDS[:n]]
+
+
+BAD_LINE_3 = {
+    "malformed JSON": ('{"messages": [{"role": "user", "content": "hi"}', [], r":3: not valid JSON"),
+    "too long": (_repeat_record(" ".join(WORDS * 4)), ["--max-length", "64"], r"line 3: the example has \d+ tokens"),
+    "empty answer": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        [],
+        r":3: the assistant reply is empty",
+    ),
+}
+
+
+@needs_demo
+@pytest.mark.parametrize("case", list(BAD_LINE_3))
+def test_bad_training_data_exits_naming_the_line(case, train_script, tmp_path):
+    bad, extra, message = BAD_LINE_3[case]
+    data = _write_jsonl(tmp_path / "bad.jsonl", [*_good_lines(), bad])
+    output = tmp_path / "out"
+    with pytest.raises(SystemExit) as excinfo:
+        train_script.main(["--model", str(DEMO), "--data", str(data), "--output", str(output), *extra])
+    assert isinstance(excinfo.value.code, str)
+    assert re.search(message, excinfo.value.code), excinfo.value.code
+    assert not output.exists()
+
+
+def _old_output(path: Path) -> dict[str, bytes]:
+    path.mkdir()
+    files = {"config.json": b'{"old": true}', "model.safetensors": b"old weights"}
+    for name, content in files.items():
+        (path / name).write_bytes(content)
+    return files
+
+
+def test_existing_output_is_refused_without_force(train_script, tmp_path):
+    output = tmp_path / "out"
+    old = _old_output(output)
+    data = _write_jsonl(tmp_path / "data.jsonl", _good_lines())
+    with pytest.raises(SystemExit, match="exists and is not empty; pass --force"):
+        train_script.main(["--model", str(DEMO), "--data", str(data), "--output", str(output)])
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == old
+
+
+@needs_demo
+def test_failed_run_leaves_the_previous_output_untouched(train_script, tmp_path, monkeypatch):
+    output = tmp_path / "out"
+    old = _old_output(output)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [*_good_lines(), "not json"])
+    with pytest.raises(SystemExit, match=":3:"):
+        train_script.main(["--model", str(DEMO), "--data", str(bad), "--output", str(output), "--force"])
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == old
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("training crashed")
+
+    monkeypatch.setattr(train_script.Trainer, "train", crash)
+    good = _write_jsonl(tmp_path / "good.jsonl", _good_lines())
+    with pytest.raises(RuntimeError, match="training crashed"):
+        train_script.main(["--model", str(DEMO), "--data", str(good), "--output", str(output), "--force"])
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]  # no work dir left
