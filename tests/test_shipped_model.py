@@ -40,7 +40,9 @@ def _chat_ids(tokenizer, text: str, thinking: bool = False) -> list[int]:
 def test_shipped_model_carries_the_current_code_files():
     # A checkpoint loads its own copy of the code: it must be the package's, or users run stale code.
     for name in CODE_FILES:
-        assert filecmp.cmp(SHIPPED / name, REPO / name, shallow=False), f"{name} differs: run scripts/sync_model_code.py"
+        assert filecmp.cmp(SHIPPED / name, REPO / name, shallow=False), (
+            f"{name} differs: run scripts/sync_model_code.py"
+        )
     config = json.loads((SHIPPED / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
 
