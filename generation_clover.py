@@ -334,7 +334,10 @@ class CloverGenerationMixin(GenerationMixin):
             )
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
-        device = self.get_input_embeddings().weight.device
+        embeddings = self.get_input_embeddings()
+        hook = getattr(embeddings, "_hf_hook", None)  # offloaded (cpu/disk): weight on meta, run on the hook's device
+        on_hook = getattr(hook, "execution_device", None)
+        device = torch.device(on_hook) if on_hook is not None else embeddings.weight.device
         input_ids = input_ids.to(device)
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
         if attention_mask.shape != input_ids.shape:

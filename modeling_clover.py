@@ -296,6 +296,15 @@ def causal_depthwise_conv(inputs: torch.Tensor, weight: torch.Tensor, window: to
     return F.silu(F.conv1d(padded, weight.unsqueeze(1).to(inputs.dtype), groups=inputs.shape[1]))
 
 
+class CloverCausalConv1d(nn.Conv1d):
+    """The depthwise causal conv of the Gated DeltaNet: an `nn.Conv1d` (checkpoint name `conv1d.weight`) that is
+    always called as a module, because offloading hooks (accelerate's cpu/disk offload) load a module's weight only
+    while its own forward runs; read from the parent, `conv1d.weight` would be an empty meta tensor."""
+
+    def forward(self, inputs: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_depthwise_conv(inputs, self.weight.squeeze(1), window)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet
 # --------------------------------------------------------------------------------------------------------------------
@@ -326,7 +335,7 @@ class CloverGatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = config.linear_conv_kernel_dim
 
-        self.conv1d = nn.Conv1d(
+        self.conv1d = CloverCausalConv1d(
             self.conv_dim, self.conv_dim, self.conv_kernel_size, bias=False, groups=self.conv_dim,
             padding=self.conv_kernel_size - 1,
         )  # fmt: skip
@@ -371,14 +380,13 @@ class CloverGatedDeltaNet(nn.Module):
         beta = self.in_proj_b(hidden_states).sigmoid()
         # fp32 decay: exp(A_log) * softplus(.) overflows easily in fp16.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
-        conv_weight = self.conv1d.weight.squeeze(1)
 
         if layout is not None:
-            core = self._training_mix(mixed_qkv, conv_weight, g, beta, layout)
+            core = self._training_mix(mixed_qkv, g, beta, layout)
         else:
             window = cache.conv_states[self.layer_idx] if cache is not None else None
             state = cache.recurrent_states[self.layer_idx] if cache is not None else None
-            conv_out = causal_depthwise_conv(mixed_qkv, conv_weight, window).transpose(1, 2)
+            conv_out = self.conv1d(mixed_qkv, window).transpose(1, 2)
             query, key, value = self._split_heads(conv_out)
             if cache is not None and 0 < commit_length < seq_len:
                 # The committed prefix advances the state; the rest reads it (fused commit + denoise).
@@ -394,14 +402,14 @@ class CloverGatedDeltaNet(nn.Module):
         core = self.norm(core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(batch_size, seq_len, self.value_dim))
 
-    def _training_mix(self, mixed_qkv, conv_weight, g, beta, layout: TrainingLayout) -> torch.Tensor:
+    def _training_mix(self, mixed_qkv, g, beta, layout: TrainingLayout) -> torch.Tensor:
         """Clean part: one causal scan. Noisy block k: the conv window and state the clean scan had at block k."""
         L, S, bs = layout.clean_length, layout.answer_start, layout.block_size
         batch_size, channels, total = mixed_qkv.shape
         num_blocks = (total - L) // bs
         clean_qkv, noisy_qkv = mixed_qkv[:, :, :L], mixed_qkv[:, :, L:]
 
-        clean = causal_depthwise_conv(clean_qkv, conv_weight, None).transpose(1, 2)
+        clean = self.conv1d(clean_qkv).transpose(1, 2)
         query, key, value = self._split_heads(clean)
         prefix_out, prefix_state, _ = chunk_gated_delta_rule(
             query[:, :S], key[:, :S], value[:, :S], g[:, :S], beta[:, :S]
@@ -419,7 +427,7 @@ class CloverGatedDeltaNet(nn.Module):
         windows = padded_clean[:, :, window_index]  # (batch, channels, blocks, kernel - 1)
         noisy_segments = torch.cat([windows, noisy_qkv.reshape(batch_size, channels, num_blocks, bs)], dim=-1)
         noisy_segments = noisy_segments.permute(0, 2, 1, 3).reshape(batch_size * num_blocks, channels, -1)
-        noisy = F.silu(F.conv1d(noisy_segments, conv_weight.unsqueeze(1).to(noisy_segments.dtype), groups=channels))
+        noisy = self.conv1d(noisy_segments[:, :, kernel - 1 :], noisy_segments[:, :, : kernel - 1])
         query, key, value = self._split_heads(noisy.transpose(1, 2))  # (batch * blocks, bs, ...)
 
         def per_block(x):  # (batch, blocks * bs, ...) -> (batch * blocks, bs, ...)
@@ -665,7 +673,8 @@ class CloverCache:
         window = self.conv_states[layer_idx]
         if window is None:
             window = conv_inputs.new_zeros(*conv_inputs.shape[:2], self.conv_kernel_size - 1)
-        self.conv_states[layer_idx] = torch.cat([window, conv_inputs], dim=-1)[:, :, -(self.conv_kernel_size - 1) :]
+        kept = torch.cat([window, conv_inputs], dim=-1)[:, :, -(self.conv_kernel_size - 1) :]
+        self.conv_states[layer_idx] = kept.clone()  # a view would keep every committed input of the layer alive
         self.recurrent_states[layer_idx] = recurrent_state
 
     def advance(self, num_tokens: int) -> None:
@@ -920,7 +929,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
     # The loss is normalised inside (by supervised tokens); Trainer must still scale it for gradient accumulation.
     accepts_loss_kwargs = False
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_rep"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: CloverConfig):

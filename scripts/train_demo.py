@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from clover import CloverConfig, CloverForBlockDiffusion
 from clover.demo_tasks import FAMILIES, build_demo_tokenizer, encode_example, generate_examples
@@ -58,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--complementary", action="store_true", help="also train each example on its mask's complement"
     )
+    parser.add_argument("--init", default=None, help="continue from this demo checkpoint instead of from scratch")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args()
 
@@ -112,19 +114,25 @@ def main() -> None:
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix=".clover-demo-", dir=output.parent if output.parent.exists() else None))
 
-    tokenizer = build_demo_tokenizer(work, seed=args.seed)
-    config = CloverConfig(
-        vocab_size=len(tokenizer),
-        mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **DEMO_ARCHITECTURE,
-    )
-    model = CloverForBlockDiffusion(config)
+    if args.init:
+        tokenizer = AutoTokenizer.from_pretrained(args.init)
+        model = CloverForBlockDiffusion.from_pretrained(args.init)
+        config = model.config
+    else:
+        tokenizer = build_demo_tokenizer(work, seed=args.seed)
+        config = CloverConfig(
+            vocab_size=len(tokenizer),
+            mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **DEMO_ARCHITECTURE,
+        )
+        model = CloverForBlockDiffusion(config)
     model.generation_config.max_new_tokens = 256
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {config.vocab_size}")
 
-    examples = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES)
+    # Training problems come from seed + 1 (+ 100 per continuation); eval_demo.py holds out seed 12345.
+    examples = generate_examples(args.num_examples, seed=args.seed + 1 + (100 if args.init else 0), families=FAMILIES)
     encoded = []
     for example in tqdm(examples, desc="encoding", mininterval=2):
         prompt_ids, answer_ids = encode_example(tokenizer, example, config.max_position_embeddings - config.block_size)
@@ -147,6 +155,9 @@ def main() -> None:
 
     model.train()
     history, ema, step, start = [], None, 0, time.time()
+    if args.init and (Path(args.init) / "learning_curve.json").is_file():  # continue the curve of the first run
+        history = json.loads((Path(args.init) / "learning_curve.json").read_text())
+        step, ema = history[-1]["step"], history[-1]["loss"]
     bar = tqdm(total=int(budget), desc="training", unit="s", mininterval=5)
     while time.time() - start < budget:
         for batch_examples in batches:
