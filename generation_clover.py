@@ -51,19 +51,28 @@ class CloverGenerationConfig(GenerationConfig):
         mask_token_id (`int`, *optional*): defaults to the model's `config.mask_token_id`.
         fuse_commit (`bool`, defaults to True):
             Commit each finished block inside the next block's first denoising forward instead of a forward of its own.
+        prefill_chunk_size (`int`, defaults to 4096):
+            The prompt enters the cache in chunks of this many tokens, so a long prompt never builds a dense
+            (prompt x prompt) attention mask (16 GiB at 131,072 tokens).
         compile (`bool`, defaults to False):
             Run the denoising forwards through `torch.compile` (dynamic shapes) on a cache allocated for the whole
             generation up front. The first call pays the compilation; later calls reuse it.
     """
 
     def __init__(self, **kwargs):
-        self.threshold = kwargs.pop("threshold", 0.95)
-        self.block_size = kwargs.pop("block_size", None)
-        self.max_steps_per_block = kwargs.pop("max_steps_per_block", None)
-        self.mask_token_id = kwargs.pop("mask_token_id", None)
-        self.fuse_commit = kwargs.pop("fuse_commit", True)
-        self.compile = kwargs.pop("compile", False)
+        ours = {
+            "threshold": kwargs.pop("threshold", 0.95),
+            "block_size": kwargs.pop("block_size", None),
+            "max_steps_per_block": kwargs.pop("max_steps_per_block", None),
+            "mask_token_id": kwargs.pop("mask_token_id", None),
+            "fuse_commit": kwargs.pop("fuse_commit", True),
+            "compile": kwargs.pop("compile", False),
+            # GenerationConfig knows this name too (None there means "no chunking"); here it defaults to 4096.
+            "prefill_chunk_size": kwargs.pop("prefill_chunk_size", None) or 4096,
+        }
         super().__init__(**kwargs)
+        for name, value in ours.items():  # after the base class, which resets the names it knows
+            setattr(self, name, value)
         self.validate_clover()
 
     def validate_clover(self) -> None:
@@ -75,6 +84,10 @@ class CloverGenerationConfig(GenerationConfig):
             not isinstance(self.max_steps_per_block, int) or self.max_steps_per_block < 1
         ):
             raise ValueError(f"max_steps_per_block ({self.max_steps_per_block!r}) must be a positive integer or None.")
+        if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 1:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size!r}) must be a positive integer, e.g. 4096."
+            )
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size ({self.block_size!r}) must be a positive integer or None.")
 
@@ -217,7 +230,9 @@ class CloverGenerationMixin(GenerationMixin):
 
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        cache = self._prefill(input_ids, attention_mask, prompt_len + num_blocks * block_size + block_size)
+        cache = self._prefill(
+            input_ids, attention_mask, prompt_len + num_blocks * block_size + block_size, config.prefill_chunk_size
+        )
         decoder = self._compiled_decoder() if config.compile else self.model
         sequences = input_ids
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -387,11 +402,18 @@ class CloverGenerationMixin(GenerationMixin):
                 processors.append(TopPLogitsWarper(config.top_p))
         return processors
 
-    def _prefill(self, input_ids, attention_mask, max_length: int) -> CloverCache:
+    def _prefill(self, input_ids, attention_mask, max_length: int, chunk_size: int) -> CloverCache:
         from .modeling_clover import CloverCache
 
         cache = CloverCache(self.config, max_length=max_length)
-        self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        for start in range(0, input_ids.shape[1], chunk_size):
+            end = min(start + chunk_size, input_ids.shape[1])
+            self.model(
+                input_ids=input_ids[:, start:end],
+                attention_mask=attention_mask[:, :end],
+                past_key_values=cache,
+                use_cache=True,
+            )
         return cache
 
     # ---- 2. the block loop ----------------------------------------------------------------------------------------

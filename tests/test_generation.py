@@ -409,3 +409,13 @@ def test_compiled_static_cache_path_gives_the_same_tokens(tiny_model):
     compiled = tiny_model.generate(prompt, max_new_tokens=20, threshold=0.5, compile=True)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     assert not any("_clover_compiled_decoder" in name for name in tiny_model.state_dict())
+
+
+def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(tiny_model):
+    # Chunks of 5 cut through the prompt (and a padded row) at arbitrary points: the cache must not notice.
+    prompt = torch.randint(2, 120, (2, 23), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    whole = tiny_model.generate(prompt, attention_mask=mask, max_new_tokens=20, threshold=0.5)
+    chunked = tiny_model.generate(prompt, attention_mask=mask, max_new_tokens=20, threshold=0.5, prefill_chunk_size=5)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
