@@ -29,7 +29,9 @@ WORDS = (
     "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
 )
 
-needs_demo = pytest.mark.skipif(not (DEMO / "config.json").exists(), reason=f"no demo checkpoint at {DEMO}")
+def needs_demo(test):
+    """Marks tests on the shipped demo checkpoint; it is part of the repository, so a missing one fails them."""
+    return test
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -305,8 +307,6 @@ LORA_RUN = ["--lora", "8", "--lr", "3e-3", "--epochs", "3", "--batch-size", "8",
 @pytest.fixture(scope="module")
 def repeat_task(tmp_path_factory, train_script, demo_tokenizer):
     """64 'Repeat the word' chats, the demo's greedy answers before, and a merged LoRA fine-tune on them."""
-    if not (DEMO / "config.json").exists():
-        pytest.skip(f"no demo checkpoint at {DEMO}")
     root = tmp_path_factory.mktemp("repeat")
     data = _write_jsonl(root / "repeat.jsonl", [_repeat_record(WORDS[i % len(WORDS)]) for i in range(64)])
     before = _greedy_answers(_load(DEMO), demo_tokenizer, WORDS[:4])
