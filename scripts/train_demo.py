@@ -129,6 +129,8 @@ def main() -> None:
         )
         model = CloverForBlockDiffusion(config)
     model.generation_config.max_new_tokens = 256
+    # As in Qwen's generation config: <|im_end|> ends a turn, and <|endoftext|> (the padding) ends it too.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {config.vocab_size}")
 
     # Training problems come from seed + 1 (+ 100 per continuation); eval_demo.py holds out seed 12345.

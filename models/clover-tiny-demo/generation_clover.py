@@ -1,0 +1,550 @@
+"""Block-diffusion `generate` for Clover: LowConfidence decoding over 32-token blocks with a committed cache.
+
+Per block (SPEC "Decoding, precisely"): open `block_size` mask tokens; repeat {forward the block on the committed
+cache, pick a candidate and its probability at every position, commit every masked position whose probability
+reaches the threshold, and at least the most confident one} until no mask is left; then commit the block to the
+cache. The commit is folded into the next block's first denoising forward, so a block costs its denoising steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.utils import ModelOutput, logging
+
+if TYPE_CHECKING:
+    from .modeling_clover import CloverCache
+
+logger = logging.get_logger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Configuration and output
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverGenerationConfig(GenerationConfig):
+    """A `GenerationConfig` with the knobs of block diffusion. Loads from and saves to generation_config.json.
+
+    Args:
+        threshold (`float`, defaults to 0.95):
+            A masked position is committed once its candidate's probability reaches it; in (0, 1]. 1.0 commits one
+            token per forward (the most confident), lower values commit several per forward.
+        block_size (`int`, *optional*):
+            Tokens per block; defaults to, and must equal, the model's `config.block_size`.
+        max_steps_per_block (`int`, *optional*):
+            A cap on denoising forwards per block: with `s` steps left and `m` masks, at least `ceil(m / s)` tokens are
+            committed per step.
+        mask_token_id (`int`, *optional*): defaults to the model's `config.mask_token_id`.
+        fuse_commit (`bool`, defaults to True):
+            Commit each finished block inside the next block's first denoising forward instead of a forward of its own.
+        prefill_chunk_size (`int`, defaults to 4096):
+            The prompt enters the cache in chunks of this many tokens, so a long prompt never builds a dense
+            (prompt x prompt) attention mask (16 GiB at 131,072 tokens).
+        compile (`bool`, defaults to False):
+            Run the denoising forwards through `torch.compile` (dynamic shapes) on a cache allocated for the whole
+            generation up front. The first call pays the compilation; later calls reuse it.
+    """
+
+    def __init__(self, **kwargs):
+        ours = {
+            "threshold": kwargs.pop("threshold", 0.95),
+            "block_size": kwargs.pop("block_size", None),
+            "max_steps_per_block": kwargs.pop("max_steps_per_block", None),
+            "mask_token_id": kwargs.pop("mask_token_id", None),
+            "fuse_commit": kwargs.pop("fuse_commit", True),
+            "compile": kwargs.pop("compile", False),
+            # GenerationConfig knows this name too (None there means "no chunking"); here it defaults to 4096.
+            "prefill_chunk_size": kwargs.pop("prefill_chunk_size", None) or 4096,
+        }
+        super().__init__(**kwargs)
+        for name, value in ours.items():  # after the base class, which resets the names it knows
+            setattr(self, name, value)
+        self.validate_clover()
+
+    def validate_clover(self) -> None:
+        if not isinstance(self.threshold, (int, float)) or not 0 < self.threshold <= 1:
+            raise ValueError(
+                f"threshold ({self.threshold!r}) must be in (0, 1]: 0.95 is the default, 1.0 decodes one token per step."
+            )
+        if self.max_steps_per_block is not None and (
+            not isinstance(self.max_steps_per_block, int) or self.max_steps_per_block < 1
+        ):
+            raise ValueError(f"max_steps_per_block ({self.max_steps_per_block!r}) must be a positive integer or None.")
+        if not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 1:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size!r}) must be a positive integer, e.g. 4096."
+            )
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"block_size ({self.block_size!r}) must be a positive integer or None.")
+
+    @classmethod
+    def from_model_config(cls, model_config) -> CloverGenerationConfig:
+        """The stock method rebuilds the config field by field and trips on the fields above; start from its result."""
+        base = GenerationConfig.from_model_config(model_config).to_dict()
+        # Saved, `_from_model_config` makes the stock loader drop every field it does not know (threshold, ...).
+        for key in ("transformers_version", "_from_model_config"):
+            base.pop(key, None)
+        # Greedy unless told otherwise, written out so that pipelines see it as set and don't impose sampling.
+        if base.get("do_sample") is None:
+            base["do_sample"] = False
+        return cls(
+            **base,
+            block_size=getattr(model_config, "block_size", None),
+            mask_token_id=getattr(model_config, "mask_token_id", None),
+        )
+
+
+@dataclass
+class CloverGenerationOutput(ModelOutput):
+    """
+    Args:
+        sequences (`torch.LongTensor` of shape `(batch, prompt_len + max_new_tokens)`):
+            The (left-padded) prompt followed by exactly `max_new_tokens` new tokens; pad after a row's EOS.
+        num_forward_passes (`torch.LongTensor` of shape `(batch,)`):
+            Model forwards after the prompt prefill while the row was still decoding (denoising steps and any
+            separate commit forwards).
+        num_new_tokens (`torch.LongTensor` of shape `(batch,)`): new tokens up to and including EOS.
+        tokens_per_forward (`torch.FloatTensor` of shape `(batch,)`): `num_new_tokens / num_forward_passes`.
+        steps_per_block (`list[int]`): denoising forwards each block took (the batch decodes blocks together).
+    """
+
+    sequences: torch.LongTensor | None = None
+    num_forward_passes: torch.LongTensor | None = None
+    num_new_tokens: torch.LongTensor | None = None
+    tokens_per_forward: torch.FloatTensor | None = None
+    steps_per_block: list[int] | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pure tensor helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def candidates_and_confidence(
+    scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate token and its probability at each position. scores (..., vocab), already processed, with the mask
+    token at -inf. Softmax in fp32: the 0.95 threshold sits where bf16 probabilities are coarse."""
+    probs = torch.softmax(scores.float(), dim=-1)
+    if do_sample:
+        flat = probs.reshape(-1, probs.shape[-1])
+        candidate = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    else:
+        candidate = probs.argmax(dim=-1)
+    confidence = probs.gather(-1, candidate.unsqueeze(-1)).squeeze(-1)
+    return candidate, confidence
+
+
+def select_positions_to_commit(
+    confidence: torch.Tensor, is_masked: torch.Tensor, threshold: float, min_to_commit: torch.Tensor | int = 1
+) -> torch.Tensor:
+    """The LowConfidence rule: every masked position with confidence >= threshold, and at least the
+    `min_to_commit` most confident masked ones (per row). confidence/is_masked (batch, block); returns bool."""
+    confidence = confidence.masked_fill(~is_masked, -1.0)  # never pick a committed position
+    above = is_masked & (confidence >= threshold)
+    order = confidence.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))  # fmt: skip
+    if isinstance(min_to_commit, torch.Tensor):
+        min_to_commit = min_to_commit.unsqueeze(-1)
+    return above | (is_masked & (rank < min_to_commit))
+
+
+def min_commits_per_step(is_masked: torch.Tensor, steps_left: int | None) -> torch.Tensor | int:
+    """With a step cap, commit at least ceil(masked / steps_left) per step so the block finishes in time."""
+    if steps_left is None:
+        return 1
+    return torch.div(is_masked.sum(-1) + steps_left - 1, steps_left, rounding_mode="floor").clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The mixin
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverGenerationMixin(GenerationMixin):
+    """Replaces autoregressive `generate` by block diffusion; everything else of `GenerationMixin` stays."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config: CloverGenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        streamer: Any = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.LongTensor | CloverGenerationOutput:
+        """Decodes `max_new_tokens` after each prompt by block diffusion.
+
+        1. Prepare: merge the generation config with the call's arguments, validate the prompt, prefill the cache.
+        2. For each block:
+           a. open a canvas of `block_size` masks;
+           b. denoise: forward the canvas (the first forward also commits the previous block), commit the confident
+              positions, until the canvas has no mask left within the length limit;
+           c. commit: the block becomes the pending input of the next forward; EOS, stopping criteria, streamer.
+        3. Finish: pad after EOS, cut to `max_new_tokens`, count forwards.
+
+        Args:
+            inputs (`torch.LongTensor` of shape `(batch, prompt_len)`): prompt ids (or pass `input_ids=`); left-pad
+                batches and pass `attention_mask`.
+            generation_config: a `CloverGenerationConfig`; the call's keyword arguments override its fields.
+            logits_processor / stopping_criteria: extra processors (applied to each position's scores, with the
+                committed sequence as `input_ids`) and criteria (checked after each block).
+            streamer: receives the prompt, then each committed block (`put`); a streamer with `put_draft` also
+                receives every intermediate canvas.
+            generator: a `torch.Generator` for sampling (else torch's global one, so `torch.manual_seed` works).
+        Returns:
+            `torch.LongTensor` (batch, prompt_len + max_new_tokens), or `CloverGenerationOutput` with
+            `return_dict_in_generate=True`.
+        """
+        # 1. prepare
+        config, model_kwargs = self._prepare_clover_config(generation_config, kwargs)
+        input_ids, attention_mask = self._prepare_prompt(inputs, model_kwargs, config)
+        max_new_tokens = self._prepare_max_new_tokens(config, input_ids.shape[1])
+        processors = self._prepare_clover_processors(config, logits_processor)
+        stopping_criteria = stopping_criteria or StoppingCriteriaList()
+        batch_size, prompt_len = input_ids.shape
+        device = input_ids.device
+        block_size, mask_id = config.block_size, config.mask_token_id
+        eos_ids = _as_id_tensor(config.eos_token_id, device)
+        pad_id = config.pad_token_id if config.pad_token_id is not None else int(eos_ids[0]) if eos_ids.numel() else 0
+        num_blocks = math.ceil(max_new_tokens / block_size)
+        # Positions count real tokens, so a left-padded row decodes as it would alone.
+        next_position = attention_mask.sum(-1, keepdim=True)  # (batch, 1)
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, num_blocks * block_size)], dim=1)
+
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        cache = self._prefill(
+            input_ids, attention_mask, prompt_len + num_blocks * block_size + block_size, config.prefill_chunk_size
+        )
+        decoder = self._compiled_decoder() if config.compile else self.model
+        sequences = input_ids
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        num_forwards = torch.zeros(batch_size, dtype=torch.long, device=device)
+        steps_per_block: list[int] = []
+        pending = None  # the last finished block, not yet in the cache
+
+        for block in range(num_blocks):
+            # 2.a open
+            start = block * block_size
+            canvas = torch.full((batch_size, block_size), mask_id, dtype=torch.long, device=device)
+            # Positions past max_new_tokens stay masks (they are never produced); finished rows hold pad.
+            needed = (torch.arange(block_size, device=device) + start < max_new_tokens).expand(batch_size, -1)
+            canvas = torch.where(finished[:, None], torch.full_like(canvas, pad_id), canvas)
+            to_decode = needed & ~finished[:, None]
+
+            # 2.b denoise (one host sync per step: the loop must know when the block is done)
+            steps = 0
+            while bool(to_decode.any()):
+                logits = self._denoising_forward(
+                    decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len
+                )
+                num_forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
+                pending = None
+                steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
+                context = torch.cat([sequences, canvas], dim=1)
+                canvas, committed = self._denoising_step(
+                    canvas, logits, to_decode, context, processors, config, steps_left, generator
+                )
+                to_decode = to_decode & ~committed
+                to_decode = self._stop_after_eos(canvas, to_decode, eos_ids)
+                steps += 1
+                if streamer is not None and hasattr(streamer, "put_draft"):
+                    streamer.put_draft(canvas.cpu())
+            steps_per_block.append(steps)
+
+            # 2.c commit
+            canvas = self._pad_after_eos(canvas, finished, eos_ids, pad_id)
+            sequences = torch.cat([sequences, canvas], dim=1)
+            row_done = _contains(canvas, eos_ids) | finished
+            if len(stopping_criteria):
+                row_done = row_done | stopping_criteria(sequences[:, : prompt_len + max_new_tokens], None)
+            if streamer is not None:
+                streamer.put(_visible_tokens(canvas[0], eos_ids, block_size, start, max_new_tokens).cpu())
+            finished = finished | row_done
+            if bool(finished.all()) or block == num_blocks - 1:
+                break
+            if config.fuse_commit:
+                pending = canvas
+            else:
+                self._commit(canvas, cache, full_mask, next_position, start, prompt_len)
+                num_forwards += (~finished).long()
+
+        # 3. finish
+        if streamer is not None:
+            streamer.end()
+        new_tokens = sequences[:, prompt_len : prompt_len + max_new_tokens]
+        if new_tokens.shape[1] < max_new_tokens:  # every row ended early: fill the promised columns with pad
+            new_tokens = torch.nn.functional.pad(new_tokens, (0, max_new_tokens - new_tokens.shape[1]), value=pad_id)
+        sequences = torch.cat([input_ids, new_tokens], dim=1)
+        if not config.return_dict_in_generate:
+            return sequences
+        num_new = _length_through_eos(new_tokens, eos_ids)
+        return CloverGenerationOutput(
+            sequences=sequences,
+            num_forward_passes=num_forwards,
+            num_new_tokens=num_new,
+            tokens_per_forward=num_new.float() / num_forwards.clamp(min=1).float(),
+            steps_per_block=steps_per_block,
+        )
+
+    # ---- 1. preparation --------------------------------------------------------------------------------------------
+
+    def _prepare_clover_config(self, generation_config, kwargs) -> tuple[CloverGenerationConfig, dict]:
+        base = generation_config if generation_config is not None else self.generation_config
+        config = CloverGenerationConfig.from_dict(base.to_dict()) if not isinstance(base, CloverGenerationConfig) else copy.deepcopy(base)  # fmt: skip
+        model_kwargs = config.update(**kwargs)
+        config.validate_clover()
+        if config.block_size is None:
+            config.block_size = self.config.block_size
+        if config.block_size != self.config.block_size:
+            raise ValueError(
+                f"block_size ({config.block_size}) differs from the block size this model was trained with "
+                f"({self.config.block_size}); leave block_size unset or pass {self.config.block_size}."
+            )
+        if config.mask_token_id is None:
+            config.mask_token_id = self.config.mask_token_id
+        if config.eos_token_id is None:
+            config.eos_token_id = self.config.eos_token_id
+        if config.pad_token_id is None:
+            config.pad_token_id = self.config.pad_token_id
+        if config.num_beams not in (None, 1):
+            raise ValueError(f"num_beams ({config.num_beams}) is not supported by block diffusion; use num_beams=1.")
+        if config.num_return_sequences not in (None, 1):
+            raise ValueError(
+                f"num_return_sequences ({config.num_return_sequences}) is not supported; repeat the prompt instead."
+            )
+        return config, model_kwargs
+
+    def _prepare_prompt(self, inputs, model_kwargs, config) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+        attention_mask = model_kwargs.pop("attention_mask", None)
+        for ignored in ("use_cache", "position_ids", "token_type_ids"):
+            model_kwargs.pop(ignored, None)
+        if model_kwargs:
+            raise ValueError(
+                f"generate() got arguments it does not know: {sorted(model_kwargs)}. Clover takes the prompt "
+                "(input_ids, attention_mask) and generation-config fields."
+            )
+        if input_ids is None or input_ids.numel() == 0:
+            raise ValueError(
+                "The prompt is empty: block diffusion needs at least one prompt token; start from the chat "
+                "template's generation prompt or a BOS-like token."
+            )
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        embeddings = self.get_input_embeddings()
+        hook = getattr(embeddings, "_hf_hook", None)  # offloaded (cpu/disk): weight on meta, run on the hook's device
+        on_hook = getattr(hook, "execution_device", None)
+        device = torch.device(on_hook) if on_hook is not None else embeddings.weight.device
+        input_ids = input_ids.to(device)
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}."
+            )
+        if bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError(
+                "A prompt ends in padding: block diffusion appends after the last column, so pad on the left "
+                "(tokenizer.padding_side = 'left')."
+            )
+        if bool(((input_ids == config.mask_token_id) & attention_mask.bool()).any()):
+            raise ValueError(
+                f"The prompt contains the mask token (id {config.mask_token_id}), which only marks positions still "
+                "to decode; remove <|mask|> from the prompt text."
+            )
+        return input_ids, attention_mask
+
+    def _prepare_max_new_tokens(self, config, prompt_len: int) -> int:
+        max_new_tokens = config.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = (config.max_length or 20) - prompt_len
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"Nothing to generate: max_length ({config.max_length}) is not above the prompt length ({prompt_len}); "
+                "set max_new_tokens."
+            )
+        limit = self.config.max_position_embeddings
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                f"{limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_len, 0)}."
+            )
+        return max_new_tokens
+
+    def _prepare_clover_processors(self, config, user_processors) -> LogitsProcessorList:
+        processors = LogitsProcessorList()
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+        processors.extend(user_processors or [])
+        if config.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                processors.append(TopKLogitsWarper(config.top_k))
+            if config.top_p is not None and config.top_p < 1.0:
+                processors.append(TopPLogitsWarper(config.top_p))
+        return processors
+
+    def _prefill(self, input_ids, attention_mask, max_length: int, chunk_size: int) -> CloverCache:
+        from .modeling_clover import CloverCache
+
+        cache = CloverCache(self.config, max_length=max_length)
+        for start in range(0, input_ids.shape[1], chunk_size):
+            end = min(start + chunk_size, input_ids.shape[1])
+            self.model(
+                input_ids=input_ids[:, start:end],
+                attention_mask=attention_mask[:, :end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return cache
+
+    # ---- 2. the block loop ----------------------------------------------------------------------------------------
+
+    def _compiled_decoder(self):
+        """The decoder stack compiled once per model (dynamic shapes: the cache grows by a block at a time)."""
+        if getattr(self, "_clover_compiled_decoder", None) is None:
+            # Compile the bound forward, not the module: a module attribute would join the state dict.
+            self._clover_compiled_decoder = torch.compile(self.model.forward, dynamic=True)
+        return self._clover_compiled_decoder
+
+    def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len):
+        """Logits of the canvas (batch, block, vocab). With a pending block, one forward over [pending, canvas]
+        commits the pending block to the cache (its first block_size tokens) and denoises the canvas."""
+        block_size = canvas.shape[1]
+        inputs = canvas if pending is None else torch.cat([pending, canvas], dim=1)
+        offset = start - (0 if pending is None else block_size)  # first generated column of this forward
+        positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
+        block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
+        outputs = decoder(
+            input_ids=inputs,
+            attention_mask=full_mask[:, : prompt_len + offset + inputs.shape[1]],
+            position_ids=positions,
+            past_key_values=cache,
+            block_ids=block_ids,
+            commit_length=0 if pending is None else block_size,
+            use_cache=False,
+        )
+        return self.lm_head(outputs.last_hidden_state[:, -block_size:])
+
+    def _denoising_step(self, canvas, logits, to_decode, context, processors, config, steps_left, generator):
+        """One LowConfidence step. Returns the new canvas and the positions committed in this step."""
+        batch_size, block_size, vocab = logits.shape
+        scores = logits.float()
+        scores[..., config.mask_token_id] = -math.inf  # never propose the mask itself
+        if len(processors):
+            rows = context.repeat_interleave(block_size, dim=0)  # each position sees its row's sequence
+            scores = processors(rows, scores.reshape(-1, vocab)).reshape(batch_size, block_size, vocab)
+        candidate, confidence = candidates_and_confidence(scores, config.do_sample, generator)
+        commit = select_positions_to_commit(
+            confidence, to_decode, config.threshold, min_commits_per_step(to_decode, steps_left)
+        )
+        return torch.where(commit, candidate, canvas), commit
+
+    def _commit(self, canvas, cache, full_mask, next_position, start, prompt_len) -> None:
+        """Unfused path: one forward that appends the finished block to the cache."""
+        positions = next_position + start + torch.arange(canvas.shape[1], device=canvas.device)
+        self.model(
+            input_ids=canvas,
+            attention_mask=full_mask[:, : prompt_len + start + canvas.shape[1]],
+            position_ids=positions,
+            past_key_values=cache,
+            block_ids=torch.zeros_like(canvas),
+            use_cache=True,
+        )
+
+    @staticmethod
+    def _stop_after_eos(canvas, to_decode, eos_ids) -> torch.Tensor:
+        """A row whose first EOS is committed with nothing masked before it is done: what follows becomes pad,
+        so decoding it would only cost forwards."""
+        if eos_ids.numel() == 0:
+            return to_decode
+        index = torch.arange(canvas.shape[1], device=canvas.device)
+        is_eos = torch.isin(canvas, eos_ids) & ~to_decode
+        first_eos = torch.where(is_eos, index, canvas.shape[1]).min(dim=-1, keepdim=True).values
+        masked_before = (to_decode & (index < first_eos)).any(dim=-1, keepdim=True)
+        return to_decode & ~((index > first_eos) & ~masked_before)
+
+    @staticmethod
+    def _pad_after_eos(canvas, finished, eos_ids, pad_id) -> torch.Tensor:
+        if eos_ids.numel() == 0:
+            return canvas
+        after_eos = torch.isin(canvas, eos_ids).long().cumsum(-1) - torch.isin(canvas, eos_ids).long() > 0
+        return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):  # fmt: skip
+        """The stock loader reads generation_config.json into a plain GenerationConfig (which can drop our fields);
+        read it as a CloverGenerationConfig instead."""
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs)  # fmt: skip
+        if generation_config is None and pretrained_model_name_or_path is not None:
+            try:
+                self.generation_config = CloverGenerationConfig.from_pretrained(
+                    pretrained_model_name_or_path, subfolder=kwargs.get("subfolder") or ""
+                )
+                return
+            except OSError:
+                pass
+        if not isinstance(self.generation_config, CloverGenerationConfig):
+            self.generation_config = CloverGenerationConfig.from_dict(self.generation_config.to_dict())
+
+
+def _as_id_tensor(token_ids, device) -> torch.Tensor:
+    if token_ids is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    if isinstance(token_ids, int):
+        token_ids = [token_ids]
+    return torch.tensor(list(token_ids), dtype=torch.long, device=device)
+
+
+def _contains(tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if ids.numel() == 0:
+        return torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    return torch.isin(tokens, ids).any(dim=-1)
+
+
+def _visible_tokens(row: torch.Tensor, eos_ids, block_size: int, start: int, max_new_tokens: int) -> torch.Tensor:
+    """The tokens of a committed block a reader should see: up to the length limit, through the first EOS."""
+    row = row[: max(min(block_size, max_new_tokens - start), 0)]
+    if eos_ids.numel():
+        hits = torch.isin(row, eos_ids).nonzero()
+        if len(hits):
+            row = row[: int(hits[0]) + 1]
+    return row
+
+
+def _length_through_eos(new_tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """Per row: index of the first EOS + 1, or all the columns when there is none."""
+    length = new_tokens.shape[1]
+    if eos_ids.numel() == 0:
+        return torch.full((new_tokens.shape[0],), length, dtype=torch.long, device=new_tokens.device)
+    index = torch.arange(length, device=new_tokens.device)
+    first = torch.where(torch.isin(new_tokens, eos_ids), index, length).min(dim=-1).values
+    return torch.clamp(first + 1, max=length)
+
+
+__all__ = [
+    "CloverGenerationConfig",
+    "CloverGenerationMixin",
+    "CloverGenerationOutput",
+    "candidates_and_confidence",
+    "select_positions_to_commit",
+]

@@ -1,0 +1,1088 @@
+"""Clover: the Qwen3.5-MoE text stack (Gated DeltaNet + gated attention + MoE) decoding by block diffusion.
+
+Reading order: norms -> rotary -> masks -> gated delta rule -> Gated DeltaNet -> attention -> MoE -> layer ->
+cache -> PreTrainedModel -> CloverModel -> CloverForBlockDiffusion.
+
+Three kinds of forward share the same layers:
+* causal (no `block_ids`): exactly the autoregressive Qwen3.5-MoE;
+* block-causal (`block_ids`): tokens of a block see each other and everything before the block (SPEC 5);
+* training (`noisy_input_ids`): the clean sequence followed by its noised answer blocks, each noisy block seeing the
+  clean context before it, so one forward covers every block of the objective.
+With a `CloverCache`, a forward reads the committed tokens and appends only its first `commit_length` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput, logging
+
+from .configuration_clover import CloverConfig
+from .generation_clover import CloverGenerationConfig, CloverGenerationMixin
+
+try:
+    from transformers.integrations import use_experts_implementation
+except ImportError:  # pragma: no cover - every supported transformers ships it
+
+    def use_experts_implementation(cls):
+        return cls
+
+
+logger = logging.get_logger(__name__)
+
+try:  # Optional CUDA kernels: used on GPU when installed, torch fallbacks otherwise.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:
+    fla_chunk_gated_delta_rule = None
+try:
+    from causal_conv1d import causal_conv1d_fn as cuda_causal_conv1d_fn
+except ImportError:
+    cuda_causal_conv1d_fn = None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Norms and rotary embedding
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverRMSNorm(nn.Module):
+    """RMSNorm with a zero-centred weight: the scale is `1 + weight` (Qwen3.5's convention)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics: bf16 mean-of-squares loses the small channels.
+        normed = hidden_states.float() * torch.rsqrt(hidden_states.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+class CloverRMSNormGated(nn.Module):
+    """RMSNorm of the Gated DeltaNet output, then a SiLU gate: `weight * norm(x) * silu(z)`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
+        hidden_states = self.weight * hidden_states.to(dtype)
+        return (hidden_states.float() * F.silu(gate.float())).to(dtype)
+
+
+def rotary_inverse_frequencies(config: CloverConfig) -> torch.Tensor:
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+class CloverRotaryEmbedding(nn.Module):
+    """Partial RoPE: only the first `rotary_dim` channels of each head rotate (a quarter of 256 in Clover).
+
+    Qwen3.5's mRoPE gives text tokens the same position on its three axes, which is plain RoPE.
+    """
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rotary_inverse_frequencies(config), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(hidden_states.device)  # (batch, seq, dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(hidden_states.dtype), emb.sin().to(hidden_states.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first `cos.shape[-1]` channels of `x` (batch, heads, seq, head_dim); the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def block_causal_mask(
+    block_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None, past_length: int = 0
+) -> torch.Tensor:
+    """Which keys each query may attend to in a block-causal forward (SPEC 5). `True` means "attend".
+
+    `block_ids` (batch, q_len) gives -1 for causal context and k >= 0 for the tokens of block k. The `past_length`
+    committed keys in front (a cache) are visible to every query. For context C, block 0 = (a b), block 1 = (c d):
+
+              C  a  b  c  d
+          C   x  .  .  .  .      causal context: itself and what precedes it
+          a   x  x  x  .  .      block 0: the context and all of block 0
+          b   x  x  x  .  .
+          c   x  x  x  x  x      block 1: everything before it and all of block 1
+          d   x  x  x  x  x
+
+    `key_padding_mask` (batch, past_length + q_len), 1 for real tokens, hides padding. Every query also sees itself,
+    so a padding row never softmaxes over nothing (its output is discarded).
+
+    Returns: bool (batch, 1, q_len, past_length + q_len).
+    """
+    batch_size, q_len = block_ids.shape
+    device = block_ids.device
+    query_index = torch.arange(q_len, device=device) + past_length
+    key_index = torch.arange(past_length + q_len, device=device)
+    key_block_ids = F.pad(block_ids, (past_length, 0), value=-1)  # committed keys belong to no open block
+
+    causal = key_index[None, None, :] <= query_index[None, :, None]  # (1, q, k)
+    same_block = (block_ids[:, :, None] == key_block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)  # (b, q, k)
+    allowed = causal | same_block
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, :].bool()
+    allowed = allowed | (key_index[None, None, :] == query_index[None, :, None])
+    return allowed[:, None]
+
+
+def training_mask(
+    block_ids: torch.Tensor, key_padding_mask: torch.Tensor | None, answer_start: int, block_size: int
+) -> torch.Tensor:
+    """The mask of a training forward over `[clean sequence (L), noisy answer blocks (A)]`.
+
+    The clean part is block-causal (so its states are those a cache would hold after committing each block). The
+    noisy copy of block k sees the clean tokens before block k starts, and the noisy tokens of block k itself:
+
+                    clean: C  b0 b1   noisy: n0 n1
+          clean C          x  .  .           .  .
+          clean b0         x  x  .           .  .
+          clean b1         x  x  x           .  .
+          noisy n0         x  .  .           x  .
+          noisy n1         x  x  .           .  x
+
+    Returns: bool (batch, 1, L + A, L + A).
+    """
+    batch_size, clean_length = block_ids.shape
+    answer_length = clean_length - answer_start
+    device = block_ids.device
+    clean_mask = block_causal_mask(block_ids, key_padding_mask)[:, 0]  # (b, L, L)
+
+    noisy_block = torch.arange(answer_length, device=device) // block_size  # (A,)
+    noisy_sees_clean = (
+        torch.arange(clean_length, device=device)[None, :] < (answer_start + noisy_block * block_size)[:, None]
+    )  # (A, L)
+    noisy_sees_clean = noisy_sees_clean[None].expand(batch_size, -1, -1)
+    if key_padding_mask is not None:
+        noisy_sees_clean = noisy_sees_clean & key_padding_mask[:, None, :].bool()
+    noisy_sees_noisy = (noisy_block[:, None] == noisy_block[None, :])[None].expand(batch_size, -1, -1)  # (b, A, A)
+
+    top = torch.cat([clean_mask, clean_mask.new_zeros(batch_size, clean_length, answer_length)], dim=-1)
+    bottom = torch.cat([noisy_sees_clean, noisy_sees_noisy], dim=-1)
+    return torch.cat([top, bottom], dim=1)[:, None]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gated delta rule
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    output_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule, exact up to rounding, computed chunk by chunk (torch reference path).
+
+    Per head, with state S (k_dim, v_dim), each token does
+        S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t.
+    Inside a chunk the u's solve one unit-lower-triangular system (the WY form), so the only sequential work is
+    carrying S from chunk to chunk.
+
+    Args: query/key (batch, seq, heads, k_dim), already L2-normalised and (query) scaled; value (batch, seq, heads,
+        v_dim); g (log decay, <= 0) and beta (batch, seq, heads); initial_state (batch, heads, k_dim, v_dim).
+    Returns: output (batch, seq, heads, v_dim) in value's dtype; the final state (fp32); with `output_chunk_states`
+        the state at the start of every chunk (batch, heads, num_chunks, k_dim, v_dim).
+    """
+    batch_size, seq_len, num_heads, k_dim = key.shape
+    v_dim = value.shape[-1]
+    out_dtype = value.dtype
+    # fp32 throughout: the decays multiply over hundreds of tokens.
+    query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
+    pad = (-seq_len) % chunk_size
+    if pad:  # padded tokens have beta = 0 (no write) and g = 0 (no decay): the state passes through unchanged
+        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    num_chunks = (seq_len + pad) // chunk_size
+
+    def chunked(x):
+        return x.reshape(batch_size, num_heads, num_chunks, chunk_size, *x.shape[3:])
+
+    query, key, value, g, beta = map(chunked, (query, key, value, g, beta))
+    log_decay = g.cumsum(-1)  # (b, h, n, c): log of the decay from the chunk start to each token
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=key.device).tril()
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~lower, -math.inf).exp()
+
+    # (I + A) u = beta v - beta exp(log_decay) K S0, with A[i, j] = beta_i decay(i<-j) k_i.k_j for j < i.
+    strict = (key @ key.transpose(-1, -2)) * pair_decay * beta[..., None]
+    system = torch.eye(chunk_size, device=key.device) + strict.masked_fill(~lower.tril(-1), 0.0)
+    solve = torch.linalg.solve_triangular
+    value_part = solve(system, value * beta[..., None], upper=False, unitriangular=True)  # (b, h, n, c, v)
+    state_part = solve(system, key * (beta * log_decay.exp())[..., None], upper=False, unitriangular=True)
+    attn = (query @ key.transpose(-1, -2)) * pair_decay  # (b, h, n, c, c), causal inside the chunk
+    query_decayed = query * log_decay.exp()[..., None]
+    key_to_end = key * (log_decay[..., -1:] - log_decay).exp()[..., None]  # decay from each token to the chunk end
+
+    state = (
+        initial_state.float()
+        if initial_state is not None
+        else key.new_zeros(batch_size, num_heads, k_dim, v_dim, dtype=torch.float)
+    )
+    outputs, chunk_states = [], []
+    for n in range(num_chunks):
+        chunk_states.append(state)
+        u = value_part[:, :, n] - state_part[:, :, n] @ state  # (b, h, c, v)
+        outputs.append(query_decayed[:, :, n] @ state + attn[:, :, n] @ u)
+        state = state * log_decay[:, :, n, -1, None, None].exp() + key_to_end[:, :, n].transpose(-1, -2) @ u
+
+    output = torch.stack(outputs, dim=2).reshape(batch_size, num_heads, -1, v_dim)[:, :, :seq_len]
+    states = torch.stack(chunk_states, dim=2) if output_chunk_states else None
+    return output.transpose(1, 2).to(out_dtype), state, states
+
+
+def gated_delta_rule(query, key, value, g, beta, initial_state=None):
+    """Dispatches to the fla kernel on CUDA when installed, else the torch reference. Returns (output, state)."""
+    if fla_chunk_gated_delta_rule is not None and query.is_cuda:
+        scale = 1.0  # our queries arrive already scaled
+        output, state = fla_chunk_gated_delta_rule(
+            query, key, value, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=True
+        )
+        return output, state
+    output, state, _ = chunk_gated_delta_rule(query, key, value, g, beta, initial_state)
+    return output, state
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps): the eps inside the root, as the fla kernels (and Qwen3.5's checkpoints) expect."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def causal_depthwise_conv(inputs: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise conv + SiLU. inputs (batch, channels, seq); weight (channels, kernel);
+    window (batch, channels, kernel - 1): the inputs before this segment (zeros at the sequence start)."""
+    kernel = weight.shape[-1]
+    if window is None:
+        if cuda_causal_conv1d_fn is not None and inputs.is_cuda:
+            return cuda_causal_conv1d_fn(inputs, weight, None, activation="silu")
+        window = inputs.new_zeros(inputs.shape[0], inputs.shape[1], kernel - 1)
+    padded = torch.cat([window.to(inputs.dtype), inputs], dim=-1)
+    return F.silu(F.conv1d(padded, weight.unsqueeze(1).to(inputs.dtype), groups=inputs.shape[1]))
+
+
+class CloverCausalConv1d(nn.Conv1d):
+    """The depthwise causal conv of the Gated DeltaNet: an `nn.Conv1d` (checkpoint name `conv1d.weight`) that is
+    always called as a module, because offloading hooks (accelerate's cpu/disk offload) load a module's weight only
+    while its own forward runs; read from the parent, `conv1d.weight` would be an empty meta tensor."""
+
+    def forward(self, inputs: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_depthwise_conv(inputs, self.weight.squeeze(1), window)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingLayout:
+    """Where the noisy answer blocks of a training forward sit: clean tokens [0, clean_length), the answer starting
+    at `answer_start` in every row, noisy copies of its blocks after the clean part."""
+
+    clean_length: int
+    answer_start: int
+    block_size: int
+
+
+class CloverGatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (linear attention with a delta-rule state), parameter names as in Qwen3.5-MoE."""
+
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+
+        self.conv1d = CloverCausalConv1d(
+            self.conv_dim, self.conv_dim, self.conv_kernel_size, bias=False, groups=self.conv_dim,
+            padding=self.conv_kernel_size - 1,
+        )  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
+        self.norm = CloverRMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(config.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+
+    def _split_heads(self, mixed_qkv: torch.Tensor):
+        """(batch, seq, conv_dim) after the conv -> normalised q, k and v per value head."""
+        batch_size, seq_len, _ = mixed_qkv.shape
+        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, self.num_k_heads, self.head_k_dim)
+        key = key.reshape(batch_size, seq_len, self.num_k_heads, self.head_k_dim)
+        value = value.reshape(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
+        # l2-normalised q and k keep the state bounded; q also carries the 1/sqrt(d) attention scale.
+        query = l2_normalize(query.float()) * self.head_k_dim**-0.5
+        key = l2_normalize(key.float())
+        repeats = self.num_v_heads // self.num_k_heads  # each q/k head serves consecutive value heads
+        if repeats > 1:
+            query = query.repeat_interleave(repeats, dim=2)
+            key = key.repeat_interleave(repeats, dim=2)
+        return query, key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        cache: CloverCache | None = None,
+        commit_length: int = 0,
+        layout: TrainingLayout | None = None,
+    ) -> torch.Tensor:
+        if padding_mask is not None:  # padding must not enter the conv window nor the state
+            hidden_states = hidden_states * padding_mask[..., None].to(hidden_states.dtype)
+        batch_size, seq_len, _ = hidden_states.shape
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # (batch, conv_dim, seq)
+        gate = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        # fp32 decay: exp(A_log) * softplus(.) overflows easily in fp16.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+
+        if layout is not None:
+            core = self._training_mix(mixed_qkv, g, beta, layout)
+        else:
+            window = cache.conv_states[self.layer_idx] if cache is not None else None
+            state = cache.recurrent_states[self.layer_idx] if cache is not None else None
+            conv_out = self.conv1d(mixed_qkv, window).transpose(1, 2)
+            query, key, value = self._split_heads(conv_out)
+            if cache is not None and 0 < commit_length < seq_len:
+                # The committed prefix advances the state; the rest reads it (fused commit + denoise).
+                c = commit_length
+                head, committed_state = gated_delta_rule(query[:, :c], key[:, :c], value[:, :c], g[:, :c], beta[:, :c], state)  # fmt: skip
+                tail, _ = gated_delta_rule(query[:, c:], key[:, c:], value[:, c:], g[:, c:], beta[:, c:], committed_state)  # fmt: skip
+                core = torch.cat([head, tail], dim=1)
+            else:
+                core, committed_state = gated_delta_rule(query, key, value, g, beta, state)
+            if cache is not None and commit_length > 0:
+                cache.update_linear(self.layer_idx, mixed_qkv[:, :, :commit_length], committed_state)
+
+        core = self.norm(core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(batch_size, seq_len, self.value_dim))
+
+    def _training_mix(self, mixed_qkv, g, beta, layout: TrainingLayout) -> torch.Tensor:
+        """Clean part: one causal scan. Noisy block k: the conv window and state the clean scan had at block k."""
+        L, S, bs = layout.clean_length, layout.answer_start, layout.block_size
+        batch_size, channels, total = mixed_qkv.shape
+        num_blocks = (total - L) // bs
+        clean_qkv, noisy_qkv = mixed_qkv[:, :, :L], mixed_qkv[:, :, L:]
+
+        clean = self.conv1d(clean_qkv).transpose(1, 2)
+        query, key, value = self._split_heads(clean)
+        prefix_out, prefix_state, _ = chunk_gated_delta_rule(
+            query[:, :S], key[:, :S], value[:, :S], g[:, :S], beta[:, :S]
+        )
+        answer_out, _, block_states = chunk_gated_delta_rule(
+            query[:, S:L], key[:, S:L], value[:, S:L], g[:, S:L], beta[:, S:L],
+            initial_state=prefix_state, chunk_size=bs, output_chunk_states=True,
+        )  # fmt: skip
+
+        # Conv windows: the kernel - 1 clean inputs before each block (zeros before the sequence start).
+        kernel = self.conv_kernel_size
+        padded_clean = F.pad(clean_qkv, (kernel - 1, 0))
+        starts = S + torch.arange(num_blocks, device=mixed_qkv.device) * bs  # block starts, in unpadded columns
+        window_index = starts[:, None] + torch.arange(kernel - 1, device=mixed_qkv.device)  # (blocks, kernel - 1)
+        windows = padded_clean[:, :, window_index]  # (batch, channels, blocks, kernel - 1)
+        noisy_segments = torch.cat([windows, noisy_qkv.reshape(batch_size, channels, num_blocks, bs)], dim=-1)
+        noisy_segments = noisy_segments.permute(0, 2, 1, 3).reshape(batch_size * num_blocks, channels, -1)
+        noisy = self.conv1d(noisy_segments[:, :, kernel - 1 :], noisy_segments[:, :, : kernel - 1])
+        query, key, value = self._split_heads(noisy.transpose(1, 2))  # (batch * blocks, bs, ...)
+
+        def per_block(x):  # (batch, blocks * bs, ...) -> (batch * blocks, bs, ...)
+            return x.reshape(batch_size * num_blocks, bs, *x.shape[2:])
+
+        initial = block_states.transpose(1, 2).reshape(batch_size * num_blocks, *block_states.shape[1:2], *block_states.shape[3:])  # fmt: skip
+        noisy_out, _, _ = chunk_gated_delta_rule(
+            query, key, value, per_block(g[:, L:]), per_block(beta[:, L:]), initial_state=initial, chunk_size=bs
+        )
+        noisy_out = noisy_out.reshape(batch_size, num_blocks * bs, *noisy_out.shape[2:])
+        return torch.cat([prefix_out, answer_out, noisy_out], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gated full attention
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def eager_attention(query, key, value, mask, scaling):
+    """Reference attention. query (b, h, q, d); key/value (b, kv_heads, k, d); mask bool (b, 1, q, k)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # fp32 softmax: bf16 sums drift
+    return probs @ value
+
+
+def sdpa_attention(query, key, value, mask, scaling):
+    # enable_gqa reads the shared KV heads in place: no repeated copy of a long cache per step.
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
+ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention}
+
+
+class CloverAttention(nn.Module):
+    """Full attention with q/k RMSNorm, partial RoPE, grouped KV heads and a sigmoid output gate."""
+
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        # q_proj yields, per head, the query followed by its output gate.
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = CloverRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        cache: CloverCache | None = None,
+    ) -> torch.Tensor:
+        batch_size, seq_len, _ = hidden_states.shape
+        query, gate = self.q_proj(hidden_states).view(batch_size, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(batch_size, seq_len, -1)
+        query = self.q_norm(query).transpose(1, 2)  # (batch, heads, seq, head_dim)
+        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
+
+        if cache is not None:  # committed keys, then this forward's (only the first commit_length stay committed)
+            key, value = cache.attention_kv(self.layer_idx, key, value)
+
+        attention = ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        output = attention(query, key, value, attention_mask, self.scaling)  # (batch, heads, seq, head_dim)
+        output = output.transpose(1, 2).reshape(batch_size, seq_len, -1) * torch.sigmoid(gate)
+        return self.o_proj(output)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverMLP(nn.Module):
+    def __init__(self, config: CloverConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@use_experts_implementation
+class CloverExperts(nn.Module):
+    """The routed experts as two fused 3D tensors: gate_up_proj (experts, 2 * inter, hidden), down_proj (experts,
+    hidden, inter). `config._experts_implementation` picks this eager loop or transformers' grouped_mm kernels."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size))  # fmt: skip
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))  # fmt: skip
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        output = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():  # only the experts some token chose
+            token_index, slot = torch.where(top_k_index == expert)
+            gate, up = F.linear(hidden_states[token_index], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            output.index_add_(0, token_index, (expert_out * top_k_weights[token_index, slot, None]).to(output.dtype))
+        return output
+
+
+class CloverRouter(nn.Module):
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor):
+        router_logits = F.linear(hidden_states, self.weight)  # (tokens, experts)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+        top_weights, top_index = probs.topk(self.top_k, dim=-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)  # renormalised over the chosen experts
+        return router_logits, top_weights.to(router_logits.dtype), top_index
+
+
+class CloverSparseMoeBlock(nn.Module):
+    """Top-k routed experts plus one always-on shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        self.gate = CloverRouter(config)
+        self.experts = CloverExperts(config)
+        self.shared_expert = CloverMLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
+        router_logits, top_weights, top_index = self.gate(hidden_states)
+        routed = self.experts(hidden_states, top_index, top_weights)
+        shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return (routed + shared).reshape(shape), router_logits
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Decoder layer and cache
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = CloverGatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = CloverAttention(config, layer_idx)
+        self.mlp = CloverSparseMoeBlock(config)
+        self.input_layernorm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        cache: CloverCache | None = None,
+        commit_length: int = 0,
+        layout: TrainingLayout | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.linear_attn(hidden_states, padding_mask, cache, commit_length, layout)
+        else:
+            hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
+        hidden_states = residual + hidden_states
+        moe_out, router_logits = self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + moe_out, router_logits
+
+
+class CloverCache:
+    """The committed state of a batch of sequences: attention keys/values per full-attention layer, conv window and
+    recurrent state per Gated DeltaNet layer.
+
+    A forward reads it and appends only its first `commit_length` tokens, so denoising forwards (commit_length 0)
+    leave it untouched and a block enters it once, when committed (SPEC 6). GDN states cannot be cropped: to go
+    back, copy the cache first (`CloverCache.copy`).
+    """
+
+    is_compileable = False
+
+    def __init__(self, config: CloverConfig, max_length: int | None = None):
+        """`max_length`: allocate the attention buffers for this many tokens up front (a static cache: no
+        re-allocation while decoding, steady shapes for torch.compile)."""
+        self.max_length = max_length or 0
+        self.layer_types = list(config.layer_types)
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        num_layers = len(self.layer_types)
+        self.key_cache: list[torch.Tensor | None] = [None] * num_layers
+        self.value_cache: list[torch.Tensor | None] = [None] * num_layers
+        self.conv_states: list[torch.Tensor | None] = [None] * num_layers
+        self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
+        self._seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Number of committed tokens (padding included)."""
+        return self._seen_tokens
+
+    def attention_kv(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes a forward's keys/values (batch, kv_heads, new, head_dim) right after the committed ones and returns
+        views over committed + new. Nothing is committed here: `advance` moves the committed length, so keys past
+        it are scratch that the next forward overwrites. The buffers grow geometrically, so a step never copies
+        the whole cache."""
+        length, new = self._seen_tokens, key.shape[2]
+        buffer = self.key_cache[layer_idx]
+        if buffer is None or buffer.shape[2] < length + new:
+            capacity = max(length + new, 2 * (buffer.shape[2] if buffer is not None else 0), 256, self.max_length)
+            for store in (self.key_cache, self.value_cache):
+                old = store[layer_idx]
+                grown = key.new_empty(*key.shape[:2], capacity, key.shape[3])
+                if old is not None:
+                    grown[:, :, :length] = old[:, :, :length]
+                store[layer_idx] = grown
+        self.key_cache[layer_idx][:, :, length : length + new] = key
+        self.value_cache[layer_idx][:, :, length : length + new] = value
+        return self.key_cache[layer_idx][:, :, : length + new], self.value_cache[layer_idx][:, :, : length + new]
+
+    def update_linear(self, layer_idx: int, conv_inputs: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """conv_inputs (batch, channels, new): the pre-conv inputs just committed; keeps the last kernel - 1."""
+        window = self.conv_states[layer_idx]
+        if window is None:
+            window = conv_inputs.new_zeros(*conv_inputs.shape[:2], self.conv_kernel_size - 1)
+        kept = torch.cat([window, conv_inputs], dim=-1)[:, :, -(self.conv_kernel_size - 1) :]
+        self.conv_states[layer_idx] = kept.clone()  # a view would keep every committed input of the layer alive
+        self.recurrent_states[layer_idx] = recurrent_state
+
+    def advance(self, num_tokens: int) -> None:
+        self._seen_tokens += num_tokens
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every committed tensor of the cache (attention entries up to the committed length)."""
+        length = self._seen_tokens
+        attention = [t[:, :, :length] for t in self.key_cache + self.value_cache if t is not None]
+        return attention + [t for t in self.conv_states + self.recurrent_states if t is not None]
+
+    def copy(self) -> CloverCache:
+        new = CloverCache.__new__(CloverCache)
+        new.__dict__.update(self.__dict__)
+        for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
+            setattr(new, name, [None if t is None else t.clone() for t in getattr(self, name)])
+        return new
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only the given batch rows (drops finished sequences)."""
+        for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
+            setattr(self, name, [None if t is None else t[rows.to(t.device)] for t in getattr(self, name)])
+
+    def __len__(self) -> int:
+        return len(self.layer_types)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CloverPreTrainedModel(PreTrainedModel):
+    config_class = CloverConfig
+    config: CloverConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["CloverDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # FlashAttention ignores custom masks, and block masks are custom
+    _supports_flex_attn = False
+    _is_stateful = True
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\."]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # transformers' init functions skip tensors already loaded from a checkpoint; raw in-place ops would not.
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Conv1d):
+            # PyTorch's default for the short depthwise conv: uniform in +-1/sqrt(kernel).
+            bound = 1.0 / math.sqrt(module.weight.shape[-1])
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, CloverRMSNorm):
+            init.zeros_(module.weight)  # zero-centred: scale 1
+        elif isinstance(module, CloverRMSNormGated):
+            init.ones_(module.weight)
+        elif isinstance(module, CloverGatedDeltaNet):
+            init.ones_(module.dt_bias)
+            # Decay rates spread over [1, 16] so heads remember on different time scales.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
+        elif isinstance(module, CloverExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, CloverRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, CloverRotaryEmbedding):
+            # A non-persistent buffer: never in a checkpoint, so recomputed after every load.
+            init.copy_(module.inv_freq, rotary_inverse_frequencies(self.config))
+
+
+@dataclass
+class CloverModelOutput(ModelOutput):
+    """
+    Args:
+        last_hidden_state (`torch.FloatTensor` of shape `(batch, seq_len, hidden_size)`): after the final norm.
+        cache (`CloverCache`): the committed cache, when one was used (also readable as `past_key_values`).
+        router_logits (`tuple[torch.FloatTensor]`, each `(batch * seq_len, num_experts)`): with output_router_logits.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: CloverCache | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> CloverCache | None:
+        return self.cache
+
+
+class CloverModel(CloverPreTrainedModel):
+    def __init__(self, config: CloverConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(CloverDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = CloverRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = CloverRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: CloverCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        block_ids: torch.LongTensor | None = None,
+        commit_length: int | None = None,
+        noisy_input_ids: torch.LongTensor | None = None,
+        output_router_logits: bool = False,
+        **kwargs,
+    ) -> CloverModelOutput:
+        r"""
+        block_ids (`torch.LongTensor` of shape `(batch, seq_len)`, *optional*):
+            -1 for causal context, k >= 0 for the tokens of block k (contiguous). Without it the forward is causal.
+        commit_length (`int`, *optional*):
+            With a cache: how many leading tokens of this forward enter the cache. Defaults to all of them when
+            `use_cache`, else none (a read-only denoising forward).
+        noisy_input_ids (`torch.LongTensor` of shape `(batch, answer_len)`, *optional*):
+            Training forward: noised copies of the answer blocks (`block_ids >= 0`), run after the clean sequence;
+            the output covers the clean tokens then the noisy ones.
+        """
+        past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if input_ids is not None:
+            if not torch.compiler.is_compiling():
+                self._check_token_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None and noisy_input_ids is None and not self.training:
+            past_key_values = CloverCache(self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if commit_length is None:
+            commit_length = seq_len if use_cache else 0
+        if past_key_values is None:
+            commit_length = 0
+
+        if attention_mask is not None and attention_mask.shape[-1] != past_length + seq_len:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and the "
+                f"input {seq_len}: pass a mask over the committed tokens and the new ones ({past_length + seq_len})."
+            )
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, past_length, seq_len, batch_size, device)
+        if block_ids is None:
+            block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
+        padding_mask = attention_mask[:, past_length:] if attention_mask is not None else None
+        if padding_mask is not None and bool(padding_mask.all()):
+            padding_mask = None  # nothing to zero out: skip the multiply
+
+        layout = None
+        if noisy_input_ids is not None:
+            layout = self._training_layout(block_ids, noisy_input_ids)
+            inputs_embeds = torch.cat([inputs_embeds, self.embed_tokens(noisy_input_ids)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, layout.answer_start :]], dim=1)
+            mask = training_mask(block_ids, attention_mask, layout.answer_start, layout.block_size)
+            if padding_mask is not None:
+                padding_mask = F.pad(padding_mask, (0, noisy_input_ids.shape[1]), value=1)
+        else:
+            mask = block_causal_mask(block_ids, attention_mask, past_length)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        all_router_logits = []
+        for layer in self.layers:
+            hidden_states, router_logits = layer(
+                hidden_states, position_embeddings, mask, padding_mask, past_key_values, commit_length, layout
+            )
+            all_router_logits.append(router_logits)
+        if past_key_values is not None:
+            past_key_values.advance(commit_length)
+
+        return CloverModelOutput(
+            last_hidden_state=self.norm(hidden_states),
+            cache=past_key_values if use_cache or commit_length else None,
+            router_logits=tuple(all_router_logits) if output_router_logits else None,
+        )
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        # One host sync per forward; an out-of-range id would otherwise index garbage or crash the device.
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids contain ids outside the vocabulary [0, {self.config.vocab_size}) (min "
+                f"{int(input_ids.min())}, max {int(input_ids.max())}): was the text encoded with another tokenizer?"
+            )
+
+    def _training_layout(self, block_ids: torch.Tensor, noisy_input_ids: torch.Tensor) -> TrainingLayout:
+        block_size = self.config.block_size
+        in_answer = (block_ids >= 0).any(dim=0)
+        answer_start = int(in_answer.float().argmax())
+        answer_length = block_ids.shape[1] - answer_start
+        if not bool(in_answer.any()) or not bool((block_ids[:, answer_start:] >= 0).all()):
+            raise ValueError(
+                "block_ids must mark the answer blocks from the same column to the end of every row (left-pad the "
+                "prompts and right-pad the answers to whole blocks, as CloverDataCollator does)."
+            )
+        if answer_length % block_size or noisy_input_ids.shape[1] != answer_length:
+            raise ValueError(
+                f"The answer region has {answer_length} tokens and noisy_input_ids {noisy_input_ids.shape[1]}: both "
+                f"must be the same whole number of blocks of {block_size}."
+            )
+        return TrainingLayout(block_ids.shape[1], answer_start, block_size)
+
+
+def default_position_ids(attention_mask, past_length, seq_len, batch_size, device) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded row gets the positions it would have alone."""
+    if attention_mask is None:
+        return (torch.arange(seq_len, device=device) + past_length).expand(batch_size, -1)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, past_length:]
+
+
+@dataclass
+class CloverOutput(ModelOutput):
+    """
+    Args:
+        loss (`torch.FloatTensor` of shape `()`): the block-diffusion loss (with `labels`).
+        logits (`torch.FloatTensor` of shape `(batch, seq_len, vocab)`): no shift: position i predicts token i when
+            it is masked. For a training forward, only the rows of the masked positions `(num_masked, vocab)`.
+        cache (`CloverCache`): the committed cache (also readable as `past_key_values`).
+        aux_loss (`torch.FloatTensor`): router load-balancing loss, with output_router_logits.
+    """
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: CloverCache | None = None
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+    @property
+    def past_key_values(self) -> CloverCache | None:
+        return self.cache
+
+
+class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
+    # The loss is normalised inside (by supervised tokens); Trainer must still scale it for gradient accumulation.
+    accepts_loss_kwargs = False
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: CloverConfig):
+        super().__init__(config)
+        self.model = CloverModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+        self.generation_config = CloverGenerationConfig.from_model_config(config)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: CloverCache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        block_ids: torch.LongTensor | None = None,
+        commit_length: int | None = None,
+        noise_mask: torch.BoolTensor | None = None,
+        noise_level: torch.FloatTensor | None = None,
+        logits_to_keep: int = 0,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> CloverOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch, seq_len)`, *optional*):
+            Supervised answer tokens (-100 elsewhere). With labels the forward returns the block-diffusion loss:
+            answer blocks (`block_ids >= 0`) are noised by `noise_mask`/`noise_level` (drawn here from torch's
+            generator when not given; `CloverDataCollator` draws them from a seeded one).
+        noise_mask (`torch.BoolTensor` of shape `(batch, seq_len)`, *optional*): which supervised tokens are masked.
+        noise_level (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): the t of each token's block.
+        logits_to_keep (`int`): if > 0, compute logits only for the last `logits_to_keep` positions.
+        """
+        past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+        output_router_logits = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        if labels is not None:
+            return self._diffusion_loss(
+                input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, output_router_logits
+            )
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            block_ids=block_ids,
+            commit_length=commit_length,
+            output_router_logits=output_router_logits,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        return CloverOutput(
+            logits=self.lm_head(hidden_states),
+            cache=outputs.cache,
+            router_logits=outputs.router_logits,
+        )
+
+    def _diffusion_loss(self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, with_aux):
+        """SPEC training objective: CE on masked answer tokens weighted 1/t, over the number of supervised tokens."""
+        if input_ids is None or block_ids is None:
+            raise ValueError(
+                "The block-diffusion loss needs input_ids and block_ids (answer blocks >= 0); CloverDataCollator "
+                "builds both from (prompt, answer) or chat examples."
+            )
+        supervised = labels != -100
+        if noise_mask is None or noise_level is None:
+            noise_mask, noise_level = draw_block_noise(supervised, block_ids, self.config.block_size)
+        noise_mask = noise_mask & supervised
+        noisy = torch.where(noise_mask, torch.full_like(input_ids, self.config.mask_token_id), input_ids)
+        layout_start = int((block_ids >= 0).any(dim=0).float().argmax())
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            block_ids=block_ids,
+            noisy_input_ids=noisy[:, layout_start:],
+            use_cache=False,
+            output_router_logits=with_aux,
+        )
+        noisy_hidden = outputs.last_hidden_state[:, input_ids.shape[1] :]  # (batch, answer_len, hidden)
+        masked = noise_mask[:, layout_start:]
+        logits = self.lm_head(noisy_hidden[masked])  # (num_masked, vocab): only where the loss looks
+        token_loss = F.cross_entropy(logits.float(), labels[:, layout_start:][masked], reduction="none")
+        # 1/t turns the masked-token CE into the ELBO weight; dividing by all supervised tokens keeps the scale
+        # independent of how many happened to be masked.
+        loss = (token_loss / noise_level[:, layout_start:][masked]).sum() / supervised.sum().clamp(min=1)
+        aux_loss = None
+        if with_aux:
+            aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok)  # fmt: skip
+            loss = loss + self.config.router_aux_loss_coef * aux_loss
+        return CloverOutput(loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits)
+
+
+def draw_block_noise(
+    supervised: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    eps: float = 1e-3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, block) a noise level t ~ U(eps, 1); each supervised token of the block is masked with probability
+    t.
+
+    Returns: noise_mask bool (batch, seq), noise_level float (batch, seq) (the t of each token's block, 1 outside).
+    """
+    batch_size, seq_len = block_ids.shape
+    device = block_ids.device
+    num_blocks = int(block_ids.max()) + 1 if block_ids.numel() else 0
+    t = eps + (1 - eps) * torch.rand(batch_size, max(num_blocks, 1), generator=generator, device="cpu").to(device)
+    in_block = block_ids >= 0
+    level = torch.where(in_block, t.gather(1, block_ids.clamp(min=0)), torch.ones_like(t[:, :1]))
+    draws = torch.rand(batch_size, seq_len, generator=generator, device="cpu").to(device)
+    mask = (draws < level) & supervised & in_block
+    return mask, level
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss: num_experts * sum_e (fraction of tokens routed to e) * (mean prob of e)."""
+    logits = torch.cat([r.float() for r in router_logits], dim=0)
+    probs = torch.softmax(logits, dim=-1)
+    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(1).float()  # (tokens, experts)
+    return num_experts * (chosen.mean(0) / top_k * probs.mean(0)).sum()
+
+
+__all__ = [
+    "CloverCache",
+    "CloverForBlockDiffusion",
+    "CloverModel",
+    "CloverPreTrainedModel",
+    "block_causal_mask",
+    "chunk_gated_delta_rule",
+    "draw_block_noise",
+]
+
+
+# save_pretrained copies the code files and writes auto_map, so every checkpoint loads with trust_remote_code.
+CloverModel._auto_class = "AutoModel"
+CloverForBlockDiffusion._auto_class = "AutoModelForCausalLM"
