@@ -73,6 +73,8 @@ class CloverGenerationConfig(GenerationConfig):
         super().__init__(**kwargs)
         for name, value in ours.items():  # after the base class, which resets the names it knows
             setattr(self, name, value)
+        if self.do_sample is None:  # greedy unless told, written out so pipelines see it as set and don't sample
+            self.do_sample = False
         self.validate_clover()
 
     def validate_clover(self) -> None:
@@ -98,9 +100,6 @@ class CloverGenerationConfig(GenerationConfig):
         # Saved, `_from_model_config` makes the stock loader drop every field it does not know (threshold, ...).
         for key in ("transformers_version", "_from_model_config"):
             base.pop(key, None)
-        # Greedy unless told otherwise, written out so that pipelines see it as set and don't impose sampling.
-        if base.get("do_sample") is None:
-            base["do_sample"] = False
         return cls(
             **base,
             block_size=getattr(model_config, "block_size", None),
