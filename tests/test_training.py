@@ -29,6 +29,7 @@ WORDS = (
     "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
 )
 
+
 def needs_demo(test):
     """Marks tests on the shipped demo checkpoint; it is part of the repository, so a missing one fails them."""
     return test
