@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=10, help="timed denoising steps per prompt length")
+    parser.add_argument("--compile", action="store_true", help="also time generate(compile=True)")
     parser.add_argument("--output", default="bench_results")
     return parser.parse_args()
 
@@ -122,6 +123,23 @@ def bench_generation(model, twin, prompts, threshold, max_new_tokens) -> dict:
     }
 
 
+def bench_compiled(model, prompts, threshold, max_new_tokens) -> dict:
+    """generate(compile=True): the same decoding through torch.compile (compilation timed apart)."""
+    start = time.perf_counter()
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=2 * model.config.block_size, threshold=threshold, compile=True)  # fmt: skip
+    compile_seconds = time.perf_counter() - start
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, threshold=threshold, compile=True, return_dict_in_generate=True
+        )
+        seconds += time.perf_counter() - start
+        tokens += int(out.num_new_tokens[0])
+    return {"compile_seconds": compile_seconds, "new_tokens": tokens, "tok_per_s": tokens / seconds}
+
+
 @torch.no_grad()
 def bench_step_time(model, prompt_lengths, steps) -> dict:
     """Median time of one denoising forward (a block of masks on the committed cache) per prompt length."""
@@ -157,11 +175,12 @@ def plot(report: dict, path: Path) -> None:
 
     generation, steps = report["generation"], report["step_seconds"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    bars = left.bar(
-        ["autoregressive\n(transformers Qwen3.5-MoE)", "block diffusion\n(Clover, threshold 0.95)"],
-        [generation["ar_tok_per_s"], generation["diffusion_tok_per_s"]],
-        color=["#999999", "#2b7a3d"],
-    )
+    labels = ["autoregressive\n(transformers)", "block diffusion\n(Clover, 0.95)"]
+    values = [generation["ar_tok_per_s"], generation["diffusion_tok_per_s"]]
+    if "compiled" in generation:
+        labels.append("block diffusion\n+ torch.compile")
+        values.append(generation["compiled"]["tok_per_s"])
+    bars = left.bar(labels, values, color=["#999999", "#2b7a3d", "#1f5c99"][: len(values)])
     left.bar_label(bars, fmt="%.0f tok/s")
     left.set_ylabel("tokens / s (batch 1)")
     left.set_title(f"{generation['speedup']:.2f}x, {generation['tokens_per_forward']:.2f} tokens per forward")
@@ -189,6 +208,10 @@ def main() -> None:
 
     generation = bench_generation(model, twin, prompts, args.threshold, args.max_new_tokens)
     step_seconds = bench_step_time(model, args.prompt_lengths, args.steps)
+    if args.compile:
+        compiled = bench_compiled(model, prompts, args.threshold, args.max_new_tokens)
+        compiled["speedup_vs_ar"] = compiled["tok_per_s"] / generation["ar_tok_per_s"]
+        generation["compiled"] = compiled
     shortest, longest = min(args.prompt_lengths), max(args.prompt_lengths)
     report = {
         "model": str(args.model),
@@ -205,6 +228,11 @@ def main() -> None:
     print(f"{'block diffusion tok/s (Clover)':38} {g['diffusion_tok_per_s']:10.1f}")
     print(f"{'speed-up':38} {g['speedup']:9.2f}x {'>= 3x':>10}")
     print(f"{'tokens per forward':38} {g['tokens_per_forward']:10.2f}")
+    if "compiled" in g:
+        c = g["compiled"]
+        print(f"{'block diffusion, compile=True, tok/s':38} {c['tok_per_s']:10.1f}")
+        print(f"{'speed-up, compile=True':38} {c['speedup_vs_ar']:9.2f}x {'>= 3x':>10}")
+        print(f"{'(one-off compilation, s)':38} {c['compile_seconds']:10.1f}")
     for length, seconds in step_seconds.items():
         print(f"{f'ms per denoising step, prompt {length}':38} {1000 * seconds:10.2f}")
     print(
