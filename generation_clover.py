@@ -154,7 +154,9 @@ def select_positions_to_commit(
     """The LowConfidence rule: every masked position with confidence >= threshold, and at least the
     `min_to_commit` most confident masked ones (per row). confidence/is_masked (batch, block); returns bool."""
     confidence = confidence.masked_fill(~is_masked, -1.0)  # never pick a committed position
-    above = is_masked & (confidence >= threshold)
+    # threshold 1.0 means "one token per forward": an fp32 softmax can round a sure token to exactly 1.0, which
+    # must not let several through.
+    above = is_masked & (confidence >= threshold) if threshold < 1.0 else torch.zeros_like(is_masked)
     order = confidence.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))  # fmt: skip
     if isinstance(min_to_commit, torch.Tensor):
