@@ -419,3 +419,12 @@ def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(tiny_model):
     whole = tiny_model.generate(prompt, attention_mask=mask, max_new_tokens=20, threshold=0.5)
     chunked = tiny_model.generate(prompt, attention_mask=mask, max_new_tokens=20, threshold=0.5, prefill_chunk_size=5)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
+def test_threshold_one_commits_a_single_position_even_when_probabilities_round_to_one():
+    # Two masked positions whose fp32 probability is exactly 1.0: at threshold 1.0 only the first (stable order)
+    # may be committed, so "one token per forward" holds whatever the logit margins.
+    confidence = torch.tensor([[1.0, 1.0, 0.5]])
+    is_masked = torch.tensor([[True, True, True]])
+    commit = select_positions_to_commit(confidence, is_masked, threshold=1.0)
+    assert commit.tolist() == [[True, False, False]]
