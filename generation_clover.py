@@ -435,7 +435,7 @@ class CloverGenerationMixin(GenerationMixin):
         positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
         block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
         outputs = decoder(
-            input_ids=inputs,
+            inputs_embeds=self.model.embed_tokens(inputs),  # ids the model wrote itself: skip the id range check
             attention_mask=full_mask[:, : prompt_len + offset + inputs.shape[1]],
             position_ids=positions,
             past_key_values=cache,
@@ -463,7 +463,7 @@ class CloverGenerationMixin(GenerationMixin):
         """Unfused path: one forward that appends the finished block to the cache."""
         positions = next_position + start + torch.arange(canvas.shape[1], device=canvas.device)
         self.model(
-            input_ids=canvas,
+            inputs_embeds=self.model.embed_tokens(canvas),
             attention_mask=full_mask[:, : prompt_len + start + canvas.shape[1]],
             position_ids=positions,
             past_key_values=cache,
