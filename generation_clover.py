@@ -490,6 +490,17 @@ class CloverGenerationMixin(GenerationMixin):
         after_eos = torch.isin(canvas, eos_ids).long().cumsum(-1) - torch.isin(canvas, eos_ids).long() > 0
         return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
 
+    def _prepare_generation_config(self, generation_config=None, **kwargs):
+        """Pipelines on transformers 5.2 build their config here, with their defaults (do_sample=True,
+        temperature=0.7) winning over the model's. Priority here: the call's kwargs, then the model's generation
+        config, then `generation_config` only where the model leaves a field unset."""
+        config = CloverGenerationConfig.from_dict(self.generation_config.to_dict())
+        if generation_config is not None:
+            defaults = generation_config.to_diff_dict()
+            config.update(**{key: value for key, value in defaults.items() if getattr(config, key, None) is None})
+        model_kwargs = config.update(**kwargs)
+        return config, model_kwargs
+
     # ---- loading -------------------------------------------------------------------------------------------------
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):  # fmt: skip
