@@ -6,7 +6,7 @@ import torch
 from clover.configuration_clover import CloverConfig
 from clover.modeling_clover import CloverForBlockDiffusion
 
-_TINY_FIELDS = dict(
+TINY_FIELDS = dict(
     vocab_size=128,
     hidden_size=64,
     num_hidden_layers=4,
@@ -32,7 +32,7 @@ _TINY_FIELDS = dict(
 
 
 def _tiny_config(**overrides) -> CloverConfig:
-    return CloverConfig(**{**_TINY_FIELDS, **overrides})
+    return CloverConfig(**{**TINY_FIELDS, **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TINY_FIELDS
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
@@ -23,26 +24,12 @@ from clover.conversion_clover import CODE_FILES, convert_qwen3_5_moe
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_ID = 250  # a free id in the tiny vocabulary of 256
-QWEN_FIELDS = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    head_dim=32,
-    num_key_value_heads=2,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    max_position_embeddings=512,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    pad_token_id=0,
-    eos_token_id=254,
-)
+# The shared tiny architecture, with a vocabulary of 256 so the mask id has room (the converter adds it).
+QWEN_FIELDS = {
+    **{k: v for k, v in TINY_FIELDS.items() if k not in ("block_size", "mask_token_id", "layer_types")},
+    "vocab_size": 256,
+    "eos_token_id": 254,
+}
 
 
 def convert(input_dir, output_dir, **kwargs):
