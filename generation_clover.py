@@ -259,7 +259,8 @@ class CloverGenerationMixin(GenerationMixin):
                 num_forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
                 pending = None
                 steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
-                context = torch.cat([sequences, canvas], dim=1)
+                # Only logits processors read the sequence; don't copy it every step for nothing.
+                context = torch.cat([sequences, canvas], dim=1) if len(processors) else None
                 canvas, committed = self._denoising_step(
                     canvas, logits, to_decode, context, processors, config, steps_left, generator
                 )
@@ -487,7 +488,8 @@ class CloverGenerationMixin(GenerationMixin):
     def _pad_after_eos(canvas, finished, eos_ids, pad_id) -> torch.Tensor:
         if eos_ids.numel() == 0:
             return canvas
-        after_eos = torch.isin(canvas, eos_ids).long().cumsum(-1) - torch.isin(canvas, eos_ids).long() > 0
+        is_eos = torch.isin(canvas, eos_ids).long()
+        after_eos = is_eos.cumsum(-1) - is_eos > 0
         return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
 
     def _prepare_generation_config(self, generation_config=None, **kwargs):
