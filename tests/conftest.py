@@ -65,3 +65,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+def spy_experts_kernel(monkeypatch, experts_implementation: str) -> list[int]:
+    """Counts the calls of a non-eager experts kernel (one per MoE layer per forward), to prove it really runs
+    instead of the eager loop. Returns the list the calls are appended to (stays empty for "eager")."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    calls: list[int] = []
+    if experts_implementation != "eager":
+        kernel = ALL_EXPERTS_FUNCTIONS[experts_implementation]
+        monkeypatch.setitem(
+            ALL_EXPERTS_FUNCTIONS._local_mapping,
+            experts_implementation,
+            lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
+        )
+    return calls

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_FIELDS
+from conftest import TINY_FIELDS, spy_experts_kernel
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
@@ -169,14 +169,7 @@ def test_converted_checkpoint_gives_the_logits_of_the_qwen_model(qwen, converted
         pytest.skip(f"{experts_implementation} experts unavailable here: {error}")
     assert type(model).__module__.startswith("transformers_modules")  # the checkpoint's code, not the package
     assert model.config._experts_implementation == experts_implementation
-    calls = []
-    if experts_implementation != "eager":  # prove the kernel really runs, not the eager loop
-        kernel = ALL_EXPERTS_FUNCTIONS[experts_implementation]
-        monkeypatch.setitem(
-            ALL_EXPERTS_FUNCTIONS._local_mapping,
-            experts_implementation,
-            lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
-        )
+    calls = spy_experts_kernel(monkeypatch, experts_implementation)
     with torch.no_grad():
         logits = model(qwen.input_ids).logits
     torch.testing.assert_close(logits, qwen.logits, atol=1e-4, rtol=1e-4)

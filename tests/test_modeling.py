@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import spy_experts_kernel
 from transformers import PretrainedConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -70,14 +71,7 @@ def test_logits_match_transformers_qwen3_5_moe(
         model.set_experts_implementation(experts_implementation)
     except (ValueError, ImportError) as error:
         pytest.skip(f"{experts_implementation} experts unavailable here: {error}")
-    calls = []
-    if experts_implementation != "eager":  # prove the kernel really runs, not the eager loop
-        kernel = ALL_EXPERTS_FUNCTIONS[experts_implementation]
-        monkeypatch.setitem(
-            ALL_EXPERTS_FUNCTIONS._local_mapping,
-            experts_implementation,
-            lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
-        )
+    calls = spy_experts_kernel(monkeypatch, experts_implementation)
     with torch.no_grad():
         logits = model(input_ids, use_cache=False).logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
