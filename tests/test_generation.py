@@ -14,7 +14,7 @@ from clover.generation_clover import (
     min_commits_per_step,
     select_positions_to_commit,
 )
-from clover.modeling_clover import CloverForBlockDiffusion
+from clover.modeling_clover import CloverCache, CloverForBlockDiffusion
 
 BLOCK, MASK_ID, PAD_ID, EOS_ID = 8, 127, 0, 126
 MAX_NEW_TOKENS = 30  # 3 whole blocks of 8 and a partial one of 6
@@ -401,13 +401,42 @@ def test_right_padded_prompt_raises_value_error(tiny_model):
         tiny_model.generate(random_ids(1, 6), attention_mask=attention_mask, max_new_tokens=8)
 
 
+def test_static_cache_step_gives_the_same_tokens(tiny_model, monkeypatch):
+    # The compiled path's logic without the compiler: whole-buffer keys under a mask, the length as a tensor, GDN
+    # states updated in place. Left padding and several blocks, fused and unfused commits.
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    tiny_model._clover_compiled_decoder = None
+    prompt = torch.randint(2, 120, (2, 13), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    for fuse_commit in (True, False):
+        kwargs = dict(attention_mask=mask, max_new_tokens=70, threshold=0.5, fuse_commit=fuse_commit)
+        eager = tiny_model.generate(prompt, return_dict_in_generate=True, **kwargs)
+        static = tiny_model.generate(prompt, compile=True, return_dict_in_generate=True, **kwargs)
+        torch.testing.assert_close(static.sequences, eager.sequences, rtol=0, atol=0)
+        torch.testing.assert_close(static.num_forward_passes, eager.num_forward_passes, rtol=0, atol=0)
+    tiny_model._clover_compiled_decoder = None
+
+
+def test_static_cache_needs_max_length(tiny_config):
+    with pytest.raises(ValueError, match="needs max_length"):
+        CloverCache(tiny_config, static=True)
+
+
 @pytest.mark.slow
 def test_compiled_static_cache_path_gives_the_same_tokens(tiny_model):
     # torch.compile takes minutes on CPU: run with --runslow.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tiny_model._clover_compiled_decoder = None
     prompt = torch.randint(2, 120, (1, 11), generator=torch.Generator().manual_seed(3))
-    eager = tiny_model.generate(prompt, max_new_tokens=20, threshold=0.5)
-    compiled = tiny_model.generate(prompt, max_new_tokens=20, threshold=0.5, compile=True)
+    eager = tiny_model.generate(prompt, max_new_tokens=100, threshold=0.5)
+    compiled = tiny_model.generate(prompt, max_new_tokens=100, threshold=0.5, compile=True)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    # Four blocks and many steps, yet two traces: the first block's step (32 tokens) and the fused one (64).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     assert not any("_clover_compiled_decoder" in name for name in tiny_model.state_dict())
 
 
