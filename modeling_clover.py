@@ -237,6 +237,7 @@ def chunk_gated_delta_rule(
     batch_size, seq_len, num_heads, k_dim = key.shape
     v_dim = value.shape[-1]
     out_dtype = value.dtype
+    chunk_size = max(1, min(chunk_size, seq_len))  # a short input (a decoding block) is one unpadded chunk
     # fp32 throughout: the decays multiply over hundreds of tokens.
     query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
     pad = (-seq_len) % chunk_size
@@ -290,6 +291,22 @@ def gated_delta_rule(query, key, value, g, beta, initial_state=None):
         return output, state
     output, state, _ = chunk_gated_delta_rule(query, key, value, g, beta, initial_state)
     return output, state
+
+
+def gated_delta_rule_with_commit(query, key, value, g, beta, initial_state, commit_length: int):
+    """A fused commit + denoise: the outputs of every token and the state after the first `commit_length` tokens
+    (the state the cache keeps); the tokens after them read that state and change nothing."""
+    if not (fla_chunk_gated_delta_rule is not None and query.is_cuda):
+        # One torch call with chunks of the commit's length (a block, when decoding): the state at the first chunk
+        # boundary is the committed one.
+        output, _, chunk_states = chunk_gated_delta_rule(
+            query, key, value, g, beta, initial_state, chunk_size=commit_length, output_chunk_states=True
+        )
+        return output, chunk_states[:, :, 1]
+    c = commit_length
+    head, committed = gated_delta_rule(query[:, :c], key[:, :c], value[:, :c], g[:, :c], beta[:, :c], initial_state)
+    tail, _ = gated_delta_rule(query[:, c:], key[:, c:], value[:, c:], g[:, c:], beta[:, c:], committed)
+    return torch.cat([head, tail], dim=1), committed
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -401,12 +418,8 @@ class CloverGatedDeltaNet(nn.Module):
             state = cache.recurrent_states[self.layer_idx] if cache is not None else None
             conv_out = self.conv1d(mixed_qkv, window).transpose(1, 2)
             query, key, value = self._split_heads(conv_out)
-            if cache is not None and 0 < commit_length < seq_len:
-                # The committed prefix advances the state; the rest reads it (fused commit + denoise).
-                c = commit_length
-                head, committed_state = gated_delta_rule(query[:, :c], key[:, :c], value[:, :c], g[:, :c], beta[:, :c], state)  # fmt: skip
-                tail, _ = gated_delta_rule(query[:, c:], key[:, c:], value[:, c:], g[:, c:], beta[:, c:], committed_state)  # fmt: skip
-                core = torch.cat([head, tail], dim=1)
+            if cache is not None and 0 < commit_length < seq_len:  # the committed prefix advances the state
+                core, committed_state = gated_delta_rule_with_commit(query, key, value, g, beta, state, commit_length)
             else:
                 core, committed_state = gated_delta_rule(query, key, value, g, beta, state)
             if cache is not None and commit_length > 0:
