@@ -4,9 +4,9 @@ The demo model is trained from scratch on CPU, so every task is short and every 
 
 - ``addition``: add two numbers of 3 to 6 digits. With thinking on, the reasoning is the digit-by-digit working,
   right to left, one line per column (``7+5+0=12 write 2 carry 1``), then ``answer N``.
-- ``sorting``: sort 5 to 12 integers ascending (sometimes descending, when the request says so).
+- ``sorting``: sort 5 to 12 integers from 0 to 99 ascending (sometimes descending, when the request says so).
 - ``reversal``: reverse a sequence of 3 to 10 common English words.
-- ``tool_call``: the system turn lists 2 to 4 tools; the target is either the assistant's tool call, or the final
+- ``tool_call``: the system turn lists 2 or 3 tools; the target is either the assistant's tool call, or the final
   answer after the tool's response, a templated sentence that restates the result.
 
 Answer formats (the assistant's ``content``, compared exactly after ``strip()`` by :func:`check_reply`):
@@ -257,8 +257,7 @@ _SORT_DESC_REQUESTS = (
 
 
 def _make_sorting(rng: random.Random, enable_thinking: bool) -> DemoExample:
-    high = rng.choice((99, 99, 999))
-    nums = [rng.randint(0, high) for _ in range(rng.randint(5, 12))]
+    nums = [rng.randint(0, 99) for _ in range(rng.randint(5, 12))]
     descending = rng.random() < 0.25
     ordered = sorted(nums, reverse=descending)
     answer = ", ".join(map(str, ordered))
@@ -508,7 +507,7 @@ _TOOLS: tuple[_Tool, ...] = (
 def _make_tool_call(rng: random.Random, enable_thinking: bool) -> DemoExample:
     tool = rng.choice(_TOOLS)
     others = [t for t in _TOOLS if t is not tool]
-    offered = [tool, *rng.sample(others, rng.randint(1, 3))]
+    offered = [tool, *rng.sample(others, rng.randint(1, 2))]
     rng.shuffle(offered)
     tools = [t.schema() for t in offered]
     args = tool.make_args(rng)
@@ -555,10 +554,29 @@ def make_example(family: str, rng: random.Random, enable_thinking: bool | None =
     return _MAKERS[family](rng, bool(enable_thinking))
 
 
-def generate_examples(num_examples: int, seed: int, families: Sequence[str] = FAMILIES) -> list[DemoExample]:
-    """`num_examples` examples cycling through `families` (balanced to within one), deterministic in `seed`."""
+def generate_examples(
+    num_examples: int,
+    seed: int,
+    families: Sequence[str] = FAMILIES,
+    weights: Sequence[float] | None = None,
+) -> list[DemoExample]:
+    """`num_examples` examples of `families`, deterministic in `seed`.
+
+    Without `weights` the families take turns (balanced to within one), as an evaluation wants. With `weights`
+    (one per family) each example's family is drawn with those relative frequencies, so a training mix can spend
+    fewer examples on a family whose prompts are long (the tool lists) and more on the ones that are hard to learn.
+    """
     rng = random.Random(seed)
-    return [make_example(families[i % len(families)], rng) for i in range(num_examples)]
+    if weights is None:
+        chosen = [families[i % len(families)] for i in range(num_examples)]
+    else:
+        if len(weights) != len(families) or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(
+                f"weights={list(weights)} must give one non-negative weight per family of {tuple(families)}, "
+                "not all zero"
+            )
+        chosen = rng.choices(families, weights=weights, k=num_examples)
+    return [make_example(family, rng) for family in chosen]
 
 
 def is_tool_call_target(example: DemoExample) -> bool:

@@ -455,8 +455,9 @@ class CloverGenerationMixin(GenerationMixin):
         commit_length = 0 if pending is None else block_size
         # Embed here: ids the model wrote itself need no range check (a host sync per forward).
         inputs_embeds = self.model.embed_tokens(inputs)
-        if decoder is not None:
-            logits = decoder(inputs_embeds, full_mask, positions, block_ids, cache, commit_length)
+        if decoder is not None:  # the mask padded to the buffer: one shape for every prompt length in the bucket
+            static_mask = torch.nn.functional.pad(full_mask, (0, cache.max_length - full_mask.shape[1]))
+            logits = decoder(inputs_embeds, static_mask, positions, block_ids, cache, commit_length)
             cache.advance(commit_length)
             return logits
         outputs = self.model(

@@ -60,6 +60,17 @@ def test_generate_examples_is_deterministic_and_balanced():
     assert [e.family for e in only] == ["sorting", "reversal"] * 4 + ["sorting"]
 
 
+def test_generate_examples_with_weights_follows_the_mix():
+    mixed = generate_examples(2000, seed=3, weights=[0.5, 0.3, 0.2, 0.0])
+    assert mixed == generate_examples(2000, seed=3, weights=[0.5, 0.3, 0.2, 0.0])
+    counts = {family: sum(e.family == family for e in mixed) for family in FAMILIES}
+    assert counts["tool_call"] == 0
+    assert 900 < counts["addition"] < 1100 and 500 < counts["sorting"] < 700 and 300 < counts["reversal"] < 500
+    for bad in ([1.0, 1.0], [1.0, -1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]):
+        with pytest.raises(ValueError, match="one non-negative weight per family"):
+            generate_examples(10, seed=0, weights=bad)
+
+
 def test_example_structure():
     rng = random.Random(0)
     for family in FAMILIES:

@@ -28,6 +28,9 @@ from transformers.utils import ModelOutput, logging
 if TYPE_CHECKING:
     from .modeling_clover import CloverCache
 
+# A compiled generate rounds its static cache up to a multiple of this, so prompts of nearby lengths share a trace.
+STATIC_LENGTH_MULTIPLE = 256
+
 logger = logging.get_logger(__name__)
 
 
@@ -55,8 +58,9 @@ class CloverGenerationConfig(GenerationConfig):
             The prompt enters the cache in chunks of this many tokens, so a long prompt never builds a dense
             (prompt x prompt) attention mask (16 GiB at 131,072 tokens).
         compile (`bool`, defaults to False):
-            Run the denoising forwards through `torch.compile` (dynamic shapes) on a cache allocated for the whole
-            generation up front. The first call pays the compilation; later calls reuse it.
+            Decode on a static cache (allocated once for the whole generation, its length rounded up to a multiple
+            of 256) through a `torch.compile`d step that is traced once per input length and replayed for every
+            denoising step and block. The first call pays the compilation; later calls reuse it.
     """
 
     def __init__(self, **kwargs):
@@ -232,9 +236,13 @@ class CloverGenerationMixin(GenerationMixin):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         cache = self._prefill(
-            input_ids, attention_mask, prompt_len + num_blocks * block_size + block_size, config.prefill_chunk_size
+            input_ids,
+            attention_mask,
+            prompt_len + num_blocks * block_size + block_size,
+            config.prefill_chunk_size,
+            static=config.compile,
         )
-        decoder = self._compiled_decoder() if config.compile else self.model
+        decoder = self._compiled_decoder() if config.compile else None
         sequences = input_ids
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         num_forwards = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -404,10 +412,12 @@ class CloverGenerationMixin(GenerationMixin):
                 processors.append(TopPLogitsWarper(config.top_p))
         return processors
 
-    def _prefill(self, input_ids, attention_mask, max_length: int, chunk_size: int) -> CloverCache:
+    def _prefill(self, input_ids, attention_mask, max_length: int, chunk_size: int, static: bool) -> CloverCache:
         from .modeling_clover import CloverCache
 
-        cache = CloverCache(self.config, max_length=max_length)
+        if static:  # few distinct buffer lengths, so the compiled step is not retraced for every prompt length
+            max_length = -(-max_length // STATIC_LENGTH_MULTIPLE) * STATIC_LENGTH_MULTIPLE
+        cache = CloverCache(self.config, max_length=max_length, static=static, device=input_ids.device)
         for start in range(0, input_ids.shape[1], chunk_size):
             end = min(start + chunk_size, input_ids.shape[1])
             self.model(
@@ -421,27 +431,42 @@ class CloverGenerationMixin(GenerationMixin):
     # ---- 2. the block loop ----------------------------------------------------------------------------------------
 
     def _compiled_decoder(self):
-        """The decoder stack compiled once per model (dynamic shapes: the cache grows by a block at a time)."""
+        """The static-cache decoding step, compiled once per model."""
         if getattr(self, "_clover_compiled_decoder", None) is None:
-            # Compile the bound forward, not the module: a module attribute would join the state dict.
-            self._clover_compiled_decoder = torch.compile(self.model.forward, dynamic=True)
+            # Compile a bound method, not a module: a module attribute would join the state dict.
+            self._clover_compiled_decoder = torch.compile(self._static_block_logits)
         return self._clover_compiled_decoder
+
+    def _static_block_logits(self, inputs_embeds, attention_mask, position_ids, block_ids, cache, commit_length):
+        hidden_states = self.model.static_decoding_forward(
+            inputs_embeds, attention_mask, position_ids, block_ids, cache, commit_length
+        )
+        return self.lm_head(hidden_states[:, -self.config.block_size :])
 
     def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len):
         """Logits of the canvas (batch, block, vocab). With a pending block, one forward over [pending, canvas]
-        commits the pending block to the cache (its first block_size tokens) and denoises the canvas."""
+        commits the pending block to the cache (its first block_size tokens) and denoises the canvas. `decoder` is
+        the compiled static-cache step, or None for the eager forward."""
         block_size = canvas.shape[1]
         inputs = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         offset = start - (0 if pending is None else block_size)  # first generated column of this forward
         positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
         block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
-        outputs = decoder(
-            inputs_embeds=self.model.embed_tokens(inputs),  # ids the model wrote itself: skip the id range check
+        commit_length = 0 if pending is None else block_size
+        # Embed here: ids the model wrote itself need no range check (a host sync per forward).
+        inputs_embeds = self.model.embed_tokens(inputs)
+        if decoder is not None:  # the mask padded to the buffer: one shape for every prompt length in the bucket
+            static_mask = torch.nn.functional.pad(full_mask, (0, cache.max_length - full_mask.shape[1]))
+            logits = decoder(inputs_embeds, static_mask, positions, block_ids, cache, commit_length)
+            cache.advance(commit_length)
+            return logits
+        outputs = self.model(
+            inputs_embeds=inputs_embeds,
             attention_mask=full_mask[:, : prompt_len + offset + inputs.shape[1]],
             position_ids=positions,
             past_key_values=cache,
             block_ids=block_ids,
-            commit_length=0 if pending is None else block_size,
+            commit_length=commit_length,
             use_cache=False,
         )
         return self.lm_head(outputs.last_hidden_state[:, -block_size:])

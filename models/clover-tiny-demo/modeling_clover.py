@@ -124,7 +124,10 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 def block_causal_mask(
-    block_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None, past_length: int = 0
+    block_ids: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    past_length: int | torch.Tensor = 0,
+    key_length: int | None = None,
 ) -> torch.Tensor:
     """Which keys each query may attend to in a block-causal forward (SPEC 5). `True` means "attend".
 
@@ -138,22 +141,32 @@ def block_causal_mask(
           c   x  x  x  x  x      block 1: everything before it and all of block 1
           d   x  x  x  x  x
 
-    `key_padding_mask` (batch, past_length + q_len), 1 for real tokens, hides padding. Every query also sees itself,
-    so a padding row never softmaxes over nothing (its output is discarded).
+    `key_padding_mask` (batch, <= key_length), 1 for real tokens, hides padding (keys it does not cover count as
+    padding). Every query also sees itself, so a padding row never softmaxes over nothing (its output is discarded).
 
-    Returns: bool (batch, 1, q_len, past_length + q_len).
+    `key_length` defaults to `past_length + q_len`. A static cache passes its whole buffer length and `past_length`
+    as a tensor: the keys past this forward's tokens are then hidden, and the mask's shape never changes.
+
+    Returns: bool (batch, 1, q_len, key_length).
     """
     batch_size, q_len = block_ids.shape
     device = block_ids.device
+    if key_length is None:
+        key_length = past_length + q_len
     query_index = torch.arange(q_len, device=device) + past_length
-    key_index = torch.arange(past_length + q_len, device=device)
-    key_block_ids = F.pad(block_ids, (past_length, 0), value=-1)  # committed keys belong to no open block
+    key_index = torch.arange(key_length, device=device)
+    # The block of every key: this forward's own tokens carry theirs, committed (and unused) keys belong to none.
+    offset = key_index - past_length
+    in_forward = (offset >= 0) & (offset < q_len)
+    own_block = block_ids.gather(1, offset.clamp(0, q_len - 1).expand(batch_size, -1))
+    key_block_ids = torch.where(in_forward, own_block, -1)
 
     causal = key_index[None, None, :] <= query_index[None, :, None]  # (1, q, k)
     same_block = (block_ids[:, :, None] == key_block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)  # (b, q, k)
     allowed = causal | same_block
     if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, :].bool()
+        key_padding_mask = F.pad(key_padding_mask.bool(), (0, key_length - key_padding_mask.shape[-1]), value=False)
+        allowed = allowed & key_padding_mask[:, None, :]
     allowed = allowed | (key_index[None, None, :] == query_index[None, :, None])
     return allowed[:, None]
 
@@ -224,6 +237,7 @@ def chunk_gated_delta_rule(
     batch_size, seq_len, num_heads, k_dim = key.shape
     v_dim = value.shape[-1]
     out_dtype = value.dtype
+    chunk_size = max(1, min(chunk_size, seq_len))  # a short input (a decoding block) is one unpadded chunk
     # fp32 throughout: the decays multiply over hundreds of tokens.
     query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
     pad = (-seq_len) % chunk_size
@@ -277,6 +291,22 @@ def gated_delta_rule(query, key, value, g, beta, initial_state=None):
         return output, state
     output, state, _ = chunk_gated_delta_rule(query, key, value, g, beta, initial_state)
     return output, state
+
+
+def gated_delta_rule_with_commit(query, key, value, g, beta, initial_state, commit_length: int):
+    """A fused commit + denoise: the outputs of every token and the state after the first `commit_length` tokens
+    (the state the cache keeps); the tokens after them read that state and change nothing."""
+    if not (fla_chunk_gated_delta_rule is not None and query.is_cuda):
+        # One torch call with chunks of the commit's length (a block, when decoding): the state at the first chunk
+        # boundary is the committed one.
+        output, _, chunk_states = chunk_gated_delta_rule(
+            query, key, value, g, beta, initial_state, chunk_size=commit_length, output_chunk_states=True
+        )
+        return output, chunk_states[:, :, 1]
+    c = commit_length
+    head, committed = gated_delta_rule(query[:, :c], key[:, :c], value[:, :c], g[:, :c], beta[:, :c], initial_state)
+    tail, _ = gated_delta_rule(query[:, c:], key[:, c:], value[:, c:], g[:, c:], beta[:, c:], committed)
+    return torch.cat([head, tail], dim=1), committed
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -388,12 +418,8 @@ class CloverGatedDeltaNet(nn.Module):
             state = cache.recurrent_states[self.layer_idx] if cache is not None else None
             conv_out = self.conv1d(mixed_qkv, window).transpose(1, 2)
             query, key, value = self._split_heads(conv_out)
-            if cache is not None and 0 < commit_length < seq_len:
-                # The committed prefix advances the state; the rest reads it (fused commit + denoise).
-                c = commit_length
-                head, committed_state = gated_delta_rule(query[:, :c], key[:, :c], value[:, :c], g[:, :c], beta[:, :c], state)  # fmt: skip
-                tail, _ = gated_delta_rule(query[:, c:], key[:, c:], value[:, c:], g[:, c:], beta[:, c:], committed_state)  # fmt: skip
-                core = torch.cat([head, tail], dim=1)
+            if cache is not None and 0 < commit_length < seq_len:  # the committed prefix advances the state
+                core, committed_state = gated_delta_rule_with_commit(query, key, value, g, beta, state, commit_length)
             else:
                 core, committed_state = gated_delta_rule(query, key, value, g, beta, state)
             if cache is not None and commit_length > 0:
@@ -626,14 +652,28 @@ class CloverCache:
     A forward reads it and appends only its first `commit_length` tokens, so denoising forwards (commit_length 0)
     leave it untouched and a block enters it once, when committed (SPEC 6). GDN states cannot be cropped: to go
     back, copy the cache first (`CloverCache.copy`).
+
+    A static cache (`static=True`, with `max_length`) never changes a tensor's shape or identity once allocated:
+    attention reads the whole `max_length` buffer under a mask, the committed length is also kept as a tensor
+    (`length`), and the GDN states are updated in place. That is what lets `torch.compile` trace a decoding step
+    once and replay it for every step and block.
     """
 
     is_compileable = False
 
-    def __init__(self, config: CloverConfig, max_length: int | None = None):
-        """`max_length`: allocate the attention buffers for this many tokens up front (a static cache: no
-        re-allocation while decoding, steady shapes for torch.compile)."""
+    def __init__(
+        self,
+        config: CloverConfig,
+        max_length: int | None = None,
+        static: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        """`max_length`: allocate the attention buffers for this many tokens up front (no re-allocation while
+        decoding). `static` (needs `max_length`): see the class docstring; `device` holds the `length` tensor."""
+        if static and not max_length:
+            raise ValueError("A static CloverCache needs max_length: the number of tokens it will ever hold.")
         self.max_length = max_length or 0
+        self.static = static
         self.layer_types = list(config.layer_types)
         self.conv_kernel_size = config.linear_conv_kernel_dim
         num_layers = len(self.layer_types)
@@ -642,6 +682,7 @@ class CloverCache:
         self.conv_states: list[torch.Tensor | None] = [None] * num_layers
         self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
         self._seen_tokens = 0
+        self.length = torch.zeros((), dtype=torch.long, device=device) if static else None
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Number of committed tokens (padding included)."""
@@ -651,9 +692,18 @@ class CloverCache:
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes a forward's keys/values (batch, kv_heads, new, head_dim) right after the committed ones and returns
-        views over committed + new. Nothing is committed here: `advance` moves the committed length, so keys past
-        it are scratch that the next forward overwrites. The buffers grow geometrically, so a step never copies
-        the whole cache."""
+        views over committed + new (a static cache: the whole buffer). Nothing is committed here: `advance` moves
+        the committed length, so keys past it are scratch that the next forward overwrites. The buffers grow
+        geometrically, so a step never copies the whole cache."""
+        if self.static:
+            if self.key_cache[layer_idx] is None:  # zeros: masked keys must not hold NaN garbage (0 * NaN = NaN)
+                shape = (*key.shape[:2], self.max_length, key.shape[3])
+                self.key_cache[layer_idx], self.value_cache[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
+            index = self.length + torch.arange(key.shape[2], device=key.device)
+            self.key_cache[layer_idx].index_copy_(2, index, key)
+            self.value_cache[layer_idx].index_copy_(2, index, value)
+            return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
         length, new = self._seen_tokens, key.shape[2]
         buffer = self.key_cache[layer_idx]
         if buffer is None or buffer.shape[2] < length + new:
@@ -674,11 +724,17 @@ class CloverCache:
         if window is None:
             window = conv_inputs.new_zeros(*conv_inputs.shape[:2], self.conv_kernel_size - 1)
         kept = torch.cat([window, conv_inputs], dim=-1)[:, :, -(self.conv_kernel_size - 1) :]
+        if self.static and self.conv_states[layer_idx] is not None:
+            self.conv_states[layer_idx].copy_(kept)
+            self.recurrent_states[layer_idx].copy_(recurrent_state)
+            return
         self.conv_states[layer_idx] = kept.clone()  # a view would keep every committed input of the layer alive
-        self.recurrent_states[layer_idx] = recurrent_state
+        self.recurrent_states[layer_idx] = recurrent_state.clone() if self.static else recurrent_state
 
     def advance(self, num_tokens: int) -> None:
         self._seen_tokens += num_tokens
+        if self.static:
+            self.length += num_tokens
 
     def tensors(self) -> list[torch.Tensor]:
         """Every committed tensor of the cache (attention entries up to the committed length)."""
@@ -691,6 +747,8 @@ class CloverCache:
         new.__dict__.update(self.__dict__)
         for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
             setattr(new, name, [None if t is None else t.clone() for t in getattr(self, name)])
+        if self.length is not None:
+            new.length = self.length.clone()
         return new
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -850,24 +908,54 @@ class CloverModel(CloverPreTrainedModel):
             if padding_mask is not None:
                 padding_mask = F.pad(padding_mask, (0, noisy_input_ids.shape[1]), value=1)
         else:
-            mask = block_causal_mask(block_ids, attention_mask, past_length)
+            static = past_key_values is not None and past_key_values.static
+            key_length = past_key_values.max_length if static else None
+            mask = block_causal_mask(block_ids, attention_mask, past_length, key_length)
 
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        all_router_logits = []
-        for layer in self.layers:
-            hidden_states, router_logits = layer(
-                hidden_states, position_embeddings, mask, padding_mask, past_key_values, commit_length, layout
-            )
-            all_router_logits.append(router_logits)
+        hidden_states, all_router_logits = self._decoder_stack(
+            inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout
+        )
         if past_key_values is not None:
             past_key_values.advance(commit_length)
 
         return CloverModelOutput(
-            last_hidden_state=self.norm(hidden_states),
+            last_hidden_state=hidden_states,
             cache=past_key_values if use_cache or commit_length else None,
             router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
+
+    def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout):
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        all_router_logits = []
+        for layer in self.layers:
+            hidden_states, router_logits = layer(
+                hidden_states, position_embeddings, mask, padding_mask, cache, commit_length, layout
+            )
+            all_router_logits.append(router_logits)
+        return self.norm(hidden_states), all_router_logits
+
+    def static_decoding_forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.LongTensor,
+        block_ids: torch.LongTensor,
+        cache: CloverCache,
+        commit_length: int,
+    ) -> torch.Tensor:
+        """A decoding forward on a static cache whose shapes and Python values do not change from one step or block
+        to the next, for `torch.compile`: the committed length is read from `cache.length` (a tensor), the keys are
+        the cache's whole buffer under the mask, the inputs are never padding. The first `commit_length` tokens are
+        written into the cache, but the caller advances it (`cache.advance(commit_length)`) outside the compiled
+        region. Returns the final hidden states (batch, seq, hidden).
+
+        `attention_mask` (batch, <= cache.max_length) marks the prompt's real tokens; keys past it count as padding.
+        """
+        if not cache.static:
+            raise ValueError("static_decoding_forward needs a CloverCache built with static=True and a max_length.")
+        mask = block_causal_mask(block_ids, attention_mask, cache.length, cache.max_length)
+        hidden_states, _ = self._decoder_stack(inputs_embeds, position_ids, mask, None, cache, commit_length, None)
+        return hidden_states
 
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         # One host sync per forward; an out-of-range id would otherwise index garbage or crash the device.
