@@ -657,14 +657,15 @@ def _read_template(chat_template: str | Path | None) -> str:
 def build_demo_tokenizer(
     output_dir: str | Path,
     num_examples: int = 20000,
-    vocab_size: int = 1024,
+    vocab_size: int = 2048,
     seed: int = 0,
     chat_template: str | Path | None = None,
 ):
     """Train a small byte-level BPE on rendered demo conversations and save it (with the chat template) to
     `output_dir`; returns ``AutoTokenizer.from_pretrained(output_dir)``.
 
-    Digits are always single tokens (the pre-tokenizer isolates every digit). The ten `SPECIAL_TOKENS` take the last
+    Digits are always single tokens (the pre-tokenizer isolates every digit); at the default 2,048 entries every
+    task word and city is one token too (at 1,024 most words take two or three). The ten `SPECIAL_TOKENS` take the last
     ten ids, in order: ``<|endoftext|>`` (pad) = vocab_size - 10, ..., ``<|im_end|>`` (eos) = vocab_size - 8, ...,
     ``<|mask|>`` = vocab_size - 1. `chat_template` (template text or a path) defaults to the project's
     ``tokenizer_config/chat_template.jinja``.
