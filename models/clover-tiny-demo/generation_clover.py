@@ -242,7 +242,11 @@ class CloverGenerationMixin(GenerationMixin):
             config.prefill_chunk_size,
             static=config.compile,
         )
-        decoder = self._compiled_decoder() if config.compile else None
+        decoder = None
+        if config.compile:
+            decoder = self._compiled_decoder()
+            # Padded once to the static buffer: every step of every prompt in the length bucket has one mask shape.
+            full_mask = torch.nn.functional.pad(full_mask, (0, cache.max_length - full_mask.shape[1]))
         sequences = input_ids
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         num_forwards = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -455,9 +459,8 @@ class CloverGenerationMixin(GenerationMixin):
         commit_length = 0 if pending is None else block_size
         # Embed here: ids the model wrote itself need no range check (a host sync per forward).
         inputs_embeds = self.model.embed_tokens(inputs)
-        if decoder is not None:  # the mask padded to the buffer: one shape for every prompt length in the bucket
-            static_mask = torch.nn.functional.pad(full_mask, (0, cache.max_length - full_mask.shape[1]))
-            logits = decoder(inputs_embeds, static_mask, positions, block_ids, cache, commit_length)
+        if decoder is not None:
+            logits = decoder(inputs_embeds, full_mask, positions, block_ids, cache, commit_length)
             cache.advance(commit_length)
             return logits
         outputs = self.model(
