@@ -232,6 +232,7 @@ class CloverGenerationMixin(GenerationMixin):
         # Positions count real tokens, so a left-padded row decodes as it would alone.
         next_position = attention_mask.sum(-1, keepdim=True)  # (batch, 1)
         full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, num_blocks * block_size)], dim=1)
+        padded = not bool(attention_mask.all())
 
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -266,7 +267,7 @@ class CloverGenerationMixin(GenerationMixin):
             steps = 0
             while bool(to_decode.any()):
                 logits = self._denoising_forward(
-                    decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len
+                    decoder, canvas, pending, cache, full_mask, padded, next_position, start, prompt_len
                 )
                 num_forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
                 pending = None
@@ -447,10 +448,11 @@ class CloverGenerationMixin(GenerationMixin):
         )
         return self.lm_head(hidden_states[:, -self.config.block_size :])
 
-    def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, next_position, start, prompt_len):
+    def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, padded, next_position, start, prompt_len):
         """Logits of the canvas (batch, block, vocab). With a pending block, one forward over [pending, canvas]
         commits the pending block to the cache (its first block_size tokens) and denoises the canvas. `decoder` is
-        the compiled static-cache step, or None for the eager forward."""
+        the compiled static-cache step, or None for the eager forward; `padded` says whether any prompt is
+        left-padded (else a step over the canvas alone attends without a mask)."""
         block_size = canvas.shape[1]
         inputs = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         offset = start - (0 if pending is None else block_size)  # first generated column of this forward
@@ -463,9 +465,12 @@ class CloverGenerationMixin(GenerationMixin):
             logits = decoder(inputs_embeds, full_mask, positions, block_ids, cache, commit_length)
             cache.advance(commit_length)
             return logits
+        attention_mask = full_mask[:, : prompt_len + offset + inputs.shape[1]]
+        if pending is None and not padded:  # one block that sees everything: attention needs no mask
+            attention_mask, block_ids = None, 0
         outputs = self.model(
             inputs_embeds=inputs_embeds,
-            attention_mask=full_mask[:, : prompt_len + offset + inputs.shape[1]],
+            attention_mask=attention_mask,
             position_ids=positions,
             past_key_values=cache,
             block_ids=block_ids,

@@ -473,11 +473,13 @@ class CloverGatedDeltaNet(nn.Module):
 
 
 def eager_attention(query, key, value, mask, scaling):
-    """Reference attention. query (b, h, q, d); key/value (b, kv_heads, k, d); mask bool (b, 1, q, k)."""
+    """Reference attention. query (b, h, q, d); key/value (b, kv_heads, k, d); mask bool (b, 1, q, k), or None when
+    every query sees every key."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = (query @ key.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # fp32 softmax: bf16 sums drift
     return probs @ value
 
@@ -859,8 +861,10 @@ class CloverModel(CloverPreTrainedModel):
         **kwargs,
     ) -> CloverModelOutput:
         r"""
-        block_ids (`torch.LongTensor` of shape `(batch, seq_len)`, *optional*):
+        block_ids (`torch.LongTensor` of shape `(batch, seq_len)` or `int`, *optional*):
             -1 for causal context, k >= 0 for the tokens of block k (contiguous). Without it the forward is causal.
+            An int k >= 0 puts the whole forward in block k; without `attention_mask` (no padding) every query then
+            sees every key, and attention runs without a mask (the fast path of a denoising step).
         commit_length (`int`, *optional*):
             With a cache: how many leading tokens of this forward enter the cache. Defaults to all of them when
             `use_cache`, else none (a read-only denoising forward).
@@ -893,6 +897,12 @@ class CloverModel(CloverPreTrainedModel):
             )
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, seq_len, batch_size, device)
+        sees_everything = False
+        if isinstance(block_ids, int):
+            if block_ids < 0:
+                raise ValueError(f"An int block_ids names the block of the whole forward: got {block_ids}, use >= 0.")
+            sees_everything = attention_mask is None and noisy_input_ids is None
+            block_ids = torch.full((batch_size, seq_len), block_ids, dtype=torch.long, device=device)
         if block_ids is None:
             block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
         padding_mask = attention_mask[:, past_length:] if attention_mask is not None else None
@@ -910,7 +920,9 @@ class CloverModel(CloverPreTrainedModel):
         else:
             static = past_key_values is not None and past_key_values.static
             key_length = past_key_values.max_length if static else None
-            mask = block_causal_mask(block_ids, attention_mask, past_length, key_length)
+            # A static cache's buffer holds unwritten keys, which only a mask hides.
+            sees_everything = sees_everything and not static
+            mask = None if sees_everything else block_causal_mask(block_ids, attention_mask, past_length, key_length)
 
         hidden_states, all_router_logits = self._decoder_stack(
             inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout

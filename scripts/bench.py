@@ -151,12 +151,12 @@ def bench_compiled(model, prompts, threshold, max_new_tokens) -> dict:
 
 @torch.no_grad()
 def bench_step_time(model, prompt_lengths, steps) -> dict:
-    """Median time of one denoising forward (a block of masks on the committed cache) per prompt length."""
+    """Median time of one denoising forward (a block of masks on the committed cache, as generate runs it for a
+    prompt without padding) per prompt length."""
     from clover.modeling_clover import CloverCache
 
     config = model.config
     block = torch.full((1, config.block_size), config.mask_token_id)
-    block_ids = torch.zeros_like(block)
     generator = torch.Generator().manual_seed(0)
     result = {}
     for length in prompt_lengths:
@@ -168,7 +168,7 @@ def bench_step_time(model, prompt_lengths, steps) -> dict:
         for _ in range(steps + 2):
             start = time.perf_counter()
             hidden = model.model(
-                input_ids=block, past_key_values=cache, block_ids=block_ids, position_ids=positions, use_cache=False
+                input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False
             ).last_hidden_state
             model.lm_head(hidden)
             times.append(time.perf_counter() - start)

@@ -204,6 +204,36 @@ def test_denoising_forward_leaves_the_cache_bit_identical(tiny_model, padded_bat
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_a_single_block_without_padding_attends_without_a_mask_and_gives_the_masked_logits(
+    tiny_model, attn_implementation, monkeypatch
+):
+    from clover import modeling_clover
+
+    tiny_model.config._attn_implementation = attn_implementation
+    input_ids = random_ids(2, 10 + BLOCK, seed=4)
+    attention_mask = torch.ones_like(input_ids)
+    cache, _ = _prefill(tiny_model, input_ids, attention_mask, 10)
+    canvas = input_ids[:, 10:].clone()
+    canvas[:, ::3] = MASK_ID
+    masked = _forward_block(tiny_model, cache, canvas, attention_mask, 10 + BLOCK, use_cache=False)
+
+    masks_seen = []
+    attention = modeling_clover.ATTENTION_FUNCTIONS[attn_implementation]
+
+    def spy(query, key, value, mask, scaling):
+        masks_seen.append(mask)
+        return attention(query, key, value, mask, scaling)
+
+    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, attn_implementation, spy)
+    with torch.no_grad():
+        unmasked = tiny_model(canvas, past_key_values=cache, block_ids=0, use_cache=False).logits
+    assert masks_seen and all(mask is None for mask in masks_seen)
+    torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="got -1, use >= 0"):
+        tiny_model(canvas, past_key_values=cache, block_ids=-1, use_cache=False)
+
+
 def test_fused_commit_and_denoise_equals_commit_then_denoise(tiny_model, padded_batch):
     input_ids, attention_mask, _, prompt_len = padded_batch
     committed = input_ids[:, prompt_len : prompt_len + BLOCK]
