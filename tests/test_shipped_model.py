@@ -58,13 +58,15 @@ def test_shipped_model_loads_as_remote_code_and_is_small(model):
 @pytest.mark.xfail(
     strict=True,
     reason="the shipped demo model has the formats but does not yet copy from the prompt (eval_demo: 0% exact "
-    "match, ~1.2 tokens per forward at 0.95); remove this marker once a retrained model reaches the targets",
+    "match at 0.95); remove this marker once a retrained model reaches the targets",
 )
-def test_shipped_model_decodes_several_tokens_per_forward(model, tokenizer):
+def test_shipped_model_answers_right_at_three_tokens_per_forward(model, tokenizer):
     ids = torch.tensor([_chat_ids(tokenizer, "What is 4821 + 377?")])
     out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
     assert out.sequences.shape == (1, ids.shape[1] + 64)
-    assert float(out.tokens_per_forward[0]) > 1.5, out.tokens_per_forward
+    reply = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    assert reply.strip() == "4821 + 377 = 5198", reply
+    assert float(out.tokens_per_forward[0]) >= 3, out.tokens_per_forward
 
 
 def test_pipeline_plain_prompt_matches_generate_and_full_text(model, tokenizer):

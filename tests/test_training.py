@@ -302,7 +302,7 @@ def _greedy_answers(model, tokenizer, words) -> list[str]:
     return answers
 
 
-LORA_RUN = ["--lora", "8", "--lr", "3e-3", "--epochs", "3", "--batch-size", "8", "--seed", "0"]
+LORA_RUN = ["--lora", "8", "--lr", "1e-2", "--epochs", "3", "--batch-size", "8", "--seed", "0"]
 
 
 @pytest.fixture(scope="module")

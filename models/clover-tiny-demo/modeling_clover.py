@@ -854,7 +854,7 @@ class CloverModel(CloverPreTrainedModel):
         past_key_values: CloverCache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        block_ids: torch.LongTensor | None = None,
+        block_ids: torch.LongTensor | int | None = None,
         commit_length: int | None = None,
         noisy_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool = False,
@@ -1061,7 +1061,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        block_ids: torch.LongTensor | None = None,
+        block_ids: torch.LongTensor | int | None = None,
         commit_length: int | None = None,
         noise_mask: torch.BoolTensor | None = None,
         noise_level: torch.FloatTensor | None = None,
@@ -1108,10 +1108,10 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
 
     def _diffusion_loss(self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, with_aux):
         """SPEC training objective: CE on masked answer tokens weighted 1/t, over the number of supervised tokens."""
-        if input_ids is None or block_ids is None:
+        if input_ids is None or not isinstance(block_ids, torch.Tensor):
             raise ValueError(
-                "The block-diffusion loss needs input_ids and block_ids (answer blocks >= 0); CloverDataCollator "
-                "builds both from (prompt, answer) or chat examples."
+                "The block-diffusion loss needs input_ids and block_ids as a tensor (answer blocks >= 0); "
+                "CloverDataCollator builds both from (prompt, answer) or chat examples."
             )
         supervised = labels != -100
         if noise_mask is None or noise_level is None:
