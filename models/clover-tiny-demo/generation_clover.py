@@ -457,17 +457,20 @@ class CloverGenerationMixin(GenerationMixin):
         inputs = canvas if pending is None else torch.cat([pending, canvas], dim=1)
         offset = start - (0 if pending is None else block_size)  # first generated column of this forward
         positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
-        block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
         commit_length = 0 if pending is None else block_size
         # Embed here: ids the model wrote itself need no range check (a host sync per forward).
         inputs_embeds = self.model.embed_tokens(inputs)
+        if decoder is None and pending is None and not padded:  # one block that sees everything: no mask
+            attention_mask, block_ids = None, 0
+        else:
+            attention_mask = (
+                full_mask if decoder is not None else full_mask[:, : prompt_len + offset + inputs.shape[1]]
+            )
+            block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
         if decoder is not None:
-            logits = decoder(inputs_embeds, full_mask, positions, block_ids, cache, commit_length)
+            logits = decoder(inputs_embeds, attention_mask, positions, block_ids, cache, commit_length)
             cache.advance(commit_length)
             return logits
-        attention_mask = full_mask[:, : prompt_len + offset + inputs.shape[1]]
-        if pending is None and not padded:  # one block that sees everything: attention needs no mask
-            attention_mask, block_ids = None, 0
         outputs = self.model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,

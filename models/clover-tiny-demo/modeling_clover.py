@@ -897,11 +897,14 @@ class CloverModel(CloverPreTrainedModel):
             )
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, past_length, seq_len, batch_size, device)
-        sees_everything = False
+        static = past_key_values is not None and past_key_values.static
+        # One block over the whole forward, no padding, no unwritten static-cache keys: every query sees every key.
+        sees_everything = (
+            isinstance(block_ids, int) and attention_mask is None and noisy_input_ids is None and not static
+        )
         if isinstance(block_ids, int):
             if block_ids < 0:
                 raise ValueError(f"An int block_ids names the block of the whole forward: got {block_ids}, use >= 0.")
-            sees_everything = attention_mask is None and noisy_input_ids is None
             block_ids = torch.full((batch_size, seq_len), block_ids, dtype=torch.long, device=device)
         if block_ids is None:
             block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
@@ -918,10 +921,7 @@ class CloverModel(CloverPreTrainedModel):
             if padding_mask is not None:
                 padding_mask = F.pad(padding_mask, (0, noisy_input_ids.shape[1]), value=1)
         else:
-            static = past_key_values is not None and past_key_values.static
             key_length = past_key_values.max_length if static else None
-            # A static cache's buffer holds unwritten keys, which only a mask hides.
-            sees_everything = sees_everything and not static
             mask = None if sees_everything else block_causal_mask(block_ids, attention_mask, past_length, key_length)
 
         hidden_states, all_router_logits = self._decoder_stack(
