@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Qwen3.5-MoE checkpoint into a Clover checkpoint (the SPEC's checkpoint conventions).
+"""Convert a Hugging Face Qwen3.5-MoE checkpoint into a Clover checkpoint (docs/DESIGN.md §2).
 
     python scripts/convert_qwen3_5_moe.py --input Qwen3.6-35B-A3B --output clover-35b-a3b-init
 
@@ -12,7 +12,7 @@
   checkpoint loads with `trust_remote_code=True`; the input's tokenizer, with `<|mask|>` added when it can be.
 * Mask embedding: the base never trained row `mask_token_id`, so it is near zero, and a zero row normalises to
   noise in the first RMSNorm. It is set to the mean of the ordinary-vocabulary rows, a neutral "unknown token" start
-  (SPEC: add noise to the mask embedding output early in fine-tuning). `lm_head` is left as is: the mask token is
+  (docs/DESIGN.md §7). `lm_head` is left as is: the mask token is
   never predicted (generation sets its logit to -inf).
 * Streaming: one input shard at a time (memory-mapped), output shards of at most `max_shard_size`; the memory held
   is about one output shard plus the per-expert pieces of layers not yet complete.
@@ -45,9 +45,10 @@ from .generation_clover import CloverGenerationConfig
 logger = logging.get_logger(__name__)
 
 MASK_TOKEN = "<|mask|>"
-DEFAULT_MASK_TOKEN_ID = 248077  # the first free id after Qwen3.5's added tokens (SPEC 3)
+DEFAULT_MASK_TOKEN_ID = 248077  # the first free id after Qwen3.5's added tokens (docs/DESIGN.md §2)
 QWEN3_5_NUM_RANKS = 248_044  # Qwen3.5's BPE vocabulary: ids [0, 248044) are ordinary tokens
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
+# The files a checkpoint carries and runs under trust_remote_code (modeling imports the others).
+CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py", "cache_clover.py")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -500,6 +501,8 @@ def convert_qwen3_5_moe(
         config.save_pretrained(staging)
         generation_config = CloverGenerationConfig.from_model_config(config)
         generation_config.threshold = 0.95
+        # The base's own turn enders (Qwen's generation config ends a turn at <|im_end|> or <|endoftext|>).
+        generation_config.update(**base_generation_tokens(input_dir))
         generation_config.save_pretrained(staging)
         package_dir = Path(__file__).resolve().parent
         for name in CODE_FILES:
@@ -513,6 +516,16 @@ def convert_qwen3_5_moe(
         raise
     logger.info(report.summary())
     return report
+
+
+def base_generation_tokens(input_dir: Path) -> dict:
+    """eos/pad/bos ids of the input's generation_config.json, when it has one (sampling settings are not taken:
+    block diffusion decodes greedily unless asked)."""
+    path = input_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    fields = json.loads(path.read_text())
+    return {key: fields[key] for key in TOKEN_FIELDS if fields.get(key) is not None}
 
 
 def _replace_directory(staging: Path, output_dir: Path) -> None:

@@ -2,11 +2,12 @@
 
 The demo model is trained from scratch on CPU, so every task is short and every answer can be checked exactly:
 
-- ``addition``: add two numbers of 3 to 6 digits. With thinking on, the reasoning is the digit-by-digit working,
-  right to left, one line per column (``7+5+0=12 write 2 carry 1``), then ``answer N``.
+- ``addition``: with thinking on, add two numbers of 3 to 6 digits; the reasoning is the digit-by-digit working,
+  right to left, one line per column (``7+5+0=12 write 2 carry 1``), then ``answer N``. With thinking off the
+  answer comes directly, so the operands have 2 or 3 digits (a sum a small model can learn to write at once).
 - ``sorting``: sort 5 to 12 integers from 0 to 99 ascending (sometimes descending, when the request says so).
 - ``reversal``: reverse a sequence of 3 to 10 common English words.
-- ``tool_call``: the system turn lists 2 or 3 tools; the target is either the assistant's tool call, or the final
+- ``tool_call``: the system turn lists 1 or 2 tools (the list dominates the prompt, so it is kept short); the target is either the assistant's tool call, or the final
   answer after the tool's response, a templated sentence that restates the result.
 
 Answer formats (the assistant's ``content``, compared exactly after ``strip()`` by :func:`check_reply`):
@@ -45,6 +46,7 @@ __all__ = [
     "generate_examples",
     "is_tool_call_target",
     "make_example",
+    "write_chat_jsonl",
 ]
 
 FAMILIES: tuple[str, ...] = ("addition", "sorting", "reversal", "tool_call")
@@ -87,6 +89,13 @@ class DemoExample:
     tools: list[dict] | None
     enable_thinking: bool
     expected: str
+
+    def to_record(self) -> dict:
+        """The example as a line of the chat JSONL that scripts/train.py reads (family and expected answer kept)."""
+        record = {"messages": self.messages, "enable_thinking": self.enable_thinking}
+        if self.tools:
+            record["tools"] = self.tools
+        return record | {"family": self.family, "expected": self.expected}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,8 +232,9 @@ _ADDITION_REQUESTS = (
 
 
 def _make_addition(rng: random.Random, enable_thinking: bool) -> DemoExample:
-    a = _random_number(rng)
-    b = _random_number(rng)
+    digits = (3, 6) if enable_thinking else (2, 3)
+    a = _random_number(rng, *digits)
+    b = _random_number(rng, *digits)
     answer = f"{a} + {b} = {a + b}"
     messages = _pick_system(rng, _SYSTEM_PROMPTS)
     messages.append({"role": "user", "content": rng.choice(_ADDITION_REQUESTS).format(a=a, b=b)})
@@ -232,8 +242,8 @@ def _make_addition(rng: random.Random, enable_thinking: bool) -> DemoExample:
     return DemoExample("addition", messages, None, enable_thinking, answer)
 
 
-def _random_number(rng: random.Random) -> int:
-    digits = rng.randint(3, 6)
+def _random_number(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
     return rng.randint(10 ** (digits - 1), 10**digits - 1)
 
 
@@ -507,7 +517,7 @@ _TOOLS: tuple[_Tool, ...] = (
 def _make_tool_call(rng: random.Random, enable_thinking: bool) -> DemoExample:
     tool = rng.choice(_TOOLS)
     others = [t for t in _TOOLS if t is not tool]
-    offered = [tool, *rng.sample(others, rng.randint(1, 2))]
+    offered = [tool, *rng.sample(others, rng.randint(0, 1))]
     rng.shuffle(offered)
     tools = [t.schema() for t in offered]
     args = tool.make_args(rng)
@@ -577,6 +587,16 @@ def generate_examples(
             )
         chosen = rng.choices(families, weights=weights, k=num_examples)
     return [make_example(family, rng) for family in chosen]
+
+
+def write_chat_jsonl(examples: Sequence[DemoExample], path: str | Path) -> None:
+    """Writes the examples as chat JSONL (one `DemoExample.to_record()` per line), atomically."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.partial")
+    with open(staging, "w", encoding="utf-8") as handle:
+        for example in examples:
+            handle.write(json.dumps(example.to_record(), ensure_ascii=False) + "\n")
+    staging.replace(path)
 
 
 def is_tool_call_target(example: DemoExample) -> bool:

@@ -1,6 +1,6 @@
 """Block-diffusion `generate` for Clover: LowConfidence decoding over 32-token blocks with a committed cache.
 
-Per block (SPEC "Decoding, precisely"): open `block_size` mask tokens; repeat {forward the block on the committed
+Per block (docs/DESIGN.md §6): open `block_size` mask tokens; repeat {forward the block on the committed
 cache, pick a candidate and its probability at every position, commit every masked position whose probability
 reaches the threshold, and at least the most confident one} until no mask is left; then commit the block to the
 cache. The commit is folded into the next block's first denoising forward, so a block costs its denoising steps.
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
@@ -25,8 +26,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import ModelOutput, logging
 
-if TYPE_CHECKING:
-    from .modeling_clover import CloverCache
+from .cache_clover import CloverCache
 
 # A compiled generate rounds its static cache up to a multiple of this, so prompts of nearby lengths share a trace.
 STATIC_LENGTH_MULTIPLE = 256
@@ -180,6 +180,42 @@ def min_commits_per_step(is_masked: torch.Tensor, steps_left: int | None) -> tor
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CloverDecodingState:
+    """What every decoding forward of one `generate` call reads (see `CloverForBlockDiffusion.decode_step`).
+
+    Args:
+        cache: the committed cache (docs/DESIGN.md §5).
+        attention_mask (`torch.LongTensor` of shape `(batch, prompt_len + capacity)`): the prompt's padding, then ones
+            for every generated column (a static cache: zeros past them, to the whole buffer).
+        next_position (`torch.LongTensor` of shape `(batch, 1)`): the position of each row's first generated token
+            (real prompt tokens counted, so a left-padded row decodes as it would alone).
+        prompt_length: columns of the (left-padded) prompt.
+        padded: whether any prompt is left-padded.
+        forward: the model's forward, or its `torch.compile`d version (`compile=True`).
+    """
+
+    cache: CloverCache
+    attention_mask: torch.Tensor
+    next_position: torch.Tensor
+    prompt_length: int
+    padded: bool
+    forward: Callable[..., Any]
+
+
+@dataclass
+class _Decoding:
+    """The per-call settings the block loop reads."""
+
+    config: CloverGenerationConfig
+    processors: LogitsProcessorList
+    eos_ids: torch.Tensor
+    pad_id: int
+    max_new_tokens: int
+    generator: torch.Generator | None
+    streamer: Any
+
+
 class CloverGenerationMixin(GenerationMixin):
     """Replaces autoregressive `generate` by block diffusion; everything else of `GenerationMixin` stays."""
 
@@ -194,13 +230,13 @@ class CloverGenerationMixin(GenerationMixin):
         generator: torch.Generator | None = None,
         **kwargs,
     ) -> torch.LongTensor | CloverGenerationOutput:
-        """Decodes `max_new_tokens` after each prompt by block diffusion.
+        """Decodes `max_new_tokens` after each prompt by block diffusion (docs/DESIGN.md §6).
 
         1. Prepare: merge the generation config with the call's arguments, validate the prompt, prefill the cache.
         2. For each block:
            a. open a canvas of `block_size` masks;
            b. denoise: forward the canvas (the first forward also commits the previous block), commit the confident
-              positions, until the canvas has no mask left within the length limit;
+              positions, until no mask is left (after a committed EOS nothing more is needed);
            c. commit: the block becomes the pending input of the next forward; EOS, stopping criteria, streamer.
         3. Finish: pad after EOS, cut to `max_new_tokens`, count forwards.
 
@@ -221,96 +257,108 @@ class CloverGenerationMixin(GenerationMixin):
         config, model_kwargs = self._prepare_clover_config(generation_config, kwargs)
         input_ids, attention_mask = self._prepare_prompt(inputs, model_kwargs, config)
         max_new_tokens = self._prepare_max_new_tokens(config, input_ids.shape[1])
-        processors = self._prepare_clover_processors(config, logits_processor)
-        stopping_criteria = stopping_criteria or StoppingCriteriaList()
-        batch_size, prompt_len = input_ids.shape
-        device = input_ids.device
-        block_size, mask_id = config.block_size, config.mask_token_id
-        eos_ids = _as_id_tensor(config.eos_token_id, device)
+        eos_ids = _as_id_tensor(config.eos_token_id, input_ids.device)
         pad_id = config.pad_token_id if config.pad_token_id is not None else int(eos_ids[0]) if eos_ids.numel() else 0
-        num_blocks = math.ceil(max_new_tokens / block_size)
-        # Positions count real tokens, so a left-padded row decodes as it would alone.
-        next_position = attention_mask.sum(-1, keepdim=True)  # (batch, 1)
-        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, num_blocks * block_size)], dim=1)
-        padded = not bool(attention_mask.all())
-
+        decoding = _Decoding(
+            config, self._prepare_clover_processors(config, logits_processor), eos_ids, pad_id, max_new_tokens,
+            generator, streamer,
+        )  # fmt: skip
+        stopping_criteria = stopping_criteria or StoppingCriteriaList()
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        cache = self._prefill(
-            input_ids,
-            attention_mask,
-            prompt_len + num_blocks * block_size + block_size,
-            config.prefill_chunk_size,
-            static=config.compile,
-        )
-        decoder = None
-        if config.compile:
-            decoder = self._compiled_decoder()
-            # Padded once to the static buffer: every step of every prompt in the length bucket has one mask shape.
-            full_mask = torch.nn.functional.pad(full_mask, (0, cache.max_length - full_mask.shape[1]))
+        state = self._prefill(input_ids, attention_mask, max_new_tokens, config)
+
+        batch_size = input_ids.shape[0]
         sequences = input_ids
-        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        num_forwards = torch.zeros(batch_size, dtype=torch.long, device=device)
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
+        num_forwards = torch.zeros(batch_size, dtype=torch.long, device=input_ids.device)
         steps_per_block: list[int] = []
         pending = None  # the last finished block, not yet in the cache
-
+        num_blocks = math.ceil(max_new_tokens / config.block_size)
         for block in range(num_blocks):
-            # 2.a open
-            start = block * block_size
-            canvas = torch.full((batch_size, block_size), mask_id, dtype=torch.long, device=device)
-            # Positions past max_new_tokens stay masks (they are never produced); finished rows hold pad.
-            needed = (torch.arange(block_size, device=device) + start < max_new_tokens).expand(batch_size, -1)
-            canvas = torch.where(finished[:, None], torch.full_like(canvas, pad_id), canvas)
-            to_decode = needed & ~finished[:, None]
-
-            # 2.b denoise (one host sync per step: the loop must know when the block is done)
-            steps = 0
-            while bool(to_decode.any()):
-                logits = self._denoising_forward(
-                    decoder, canvas, pending, cache, full_mask, padded, next_position, start, prompt_len
-                )
-                num_forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
-                pending = None
-                steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
-                # Only logits processors read the sequence; don't copy it every step for nothing.
-                context = torch.cat([sequences, canvas], dim=1) if len(processors) else None
-                canvas, committed = self._denoising_step(
-                    canvas, logits, to_decode, context, processors, config, steps_left, generator
-                )
-                to_decode = to_decode & ~committed
-                to_decode = self._stop_after_eos(canvas, to_decode, eos_ids)
-                steps += 1
-                if streamer is not None and hasattr(streamer, "put_draft"):
-                    streamer.put_draft(canvas.cpu())
+            # 2.a open and 2.b denoise
+            canvas, steps, forwards = self._decode_block(state, pending, sequences, finished, decoding)
+            num_forwards += forwards
             steps_per_block.append(steps)
-
             # 2.c commit
-            canvas = self._pad_after_eos(canvas, finished, eos_ids, pad_id)
+            canvas = _pad_after_eos(canvas, finished, eos_ids, pad_id)
             sequences = torch.cat([sequences, canvas], dim=1)
-            row_done = _contains(canvas, eos_ids) | finished
+            row_done = finished | torch.isin(canvas, eos_ids).any(dim=-1)
             if len(stopping_criteria):
-                row_done = row_done | stopping_criteria(sequences[:, : prompt_len + max_new_tokens], None)
+                row_done = row_done | stopping_criteria(sequences[:, : input_ids.shape[1] + max_new_tokens], None)
             if streamer is not None:
-                streamer.put(_visible_tokens(canvas[0], eos_ids, block_size, start, max_new_tokens).cpu())
-            finished = finished | row_done
+                start = block * config.block_size
+                streamer.put(
+                    _visible_tokens(canvas[0], eos_ids, max(min(config.block_size, max_new_tokens - start), 0)).cpu()
+                )
+            finished = row_done
             if bool(finished.all()) or block == num_blocks - 1:
                 break
             if config.fuse_commit:
-                pending = canvas
+                pending = canvas  # committed by the next block's first forward
             else:
-                self._commit(canvas, cache, full_mask, next_position, start, prompt_len)
+                self.decode_step(canvas, state=state, commit_length=canvas.shape[1])
                 num_forwards += (~finished).long()
 
         # 3. finish
-        if streamer is not None:
-            streamer.end()
-        new_tokens = sequences[:, prompt_len : prompt_len + max_new_tokens]
+        return self._finalize(input_ids, sequences, num_forwards, steps_per_block, decoding)
+
+    def _decode_block(self, state, pending, sequences, finished, decoding: _Decoding):
+        """2.a + 2.b: opens a canvas of masks (pad for finished rows) and denoises it until nothing needed is
+        masked. Returns the canvas, the number of steps and the forwards each row paid."""
+        config = decoding.config
+        batch_size, block_size = sequences.shape[0], config.block_size
+        canvas = torch.full((batch_size, block_size), config.mask_token_id, dtype=torch.long, device=sequences.device)
+        # Every block is decoded whole, also the last one (cut to max_new_tokens at the end), so a shorter budget
+        # yields a prefix of a longer one.
+        canvas = torch.where(finished[:, None], torch.full_like(canvas, decoding.pad_id), canvas)
+        to_decode = (~finished)[:, None].expand(-1, block_size)
+        forwards = torch.zeros(batch_size, dtype=torch.long, device=sequences.device)
+        steps = 0
+        while bool(to_decode.any()):  # one host sync per step: the loop must know when the block is done
+            if pending is None:
+                logits = self.decode_step(canvas, state=state)
+            else:  # the previous block enters the cache in this block's first forward
+                logits = self.decode_step(torch.cat([pending, canvas], dim=1), state=state, commit_length=block_size)
+                pending = None
+            forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
+            steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
+            # Only logits processors read the sequence; don't copy it every step for nothing.
+            context = torch.cat([sequences, canvas], dim=1) if len(decoding.processors) else None
+            canvas, committed = self._denoising_step(canvas, logits, to_decode, context, decoding, steps_left)
+            to_decode = _stop_after_eos(canvas, to_decode & ~committed, decoding.eos_ids)
+            steps += 1
+            if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
+                decoding.streamer.put_draft(canvas.cpu())
+        return canvas, steps, forwards
+
+    def _denoising_step(self, canvas, logits, to_decode, context, decoding: _Decoding, steps_left):
+        """One LowConfidence step. Returns the new canvas and the positions committed in this step."""
+        config = decoding.config
+        batch_size, block_size, vocab = logits.shape
+        scores = logits.float()
+        scores[..., config.mask_token_id] = -math.inf  # never propose the mask itself
+        if len(decoding.processors):
+            rows = context.repeat_interleave(block_size, dim=0)  # each position sees its row's sequence
+            scores = decoding.processors(rows, scores.reshape(-1, vocab)).reshape(batch_size, block_size, vocab)
+        candidate, confidence = candidates_and_confidence(scores, config.do_sample, decoding.generator)
+        commit = select_positions_to_commit(
+            confidence, to_decode, config.threshold, min_commits_per_step(to_decode, steps_left)
+        )
+        return torch.where(commit, candidate, canvas), commit
+
+    def _finalize(self, input_ids, sequences, num_forwards, steps_per_block, decoding: _Decoding):
+        """3: the prompt plus exactly `max_new_tokens` columns (pad after EOS), and the counts."""
+        if decoding.streamer is not None:
+            decoding.streamer.end()
+        max_new_tokens = decoding.max_new_tokens
+        new_tokens = sequences[:, input_ids.shape[1] : input_ids.shape[1] + max_new_tokens]
         if new_tokens.shape[1] < max_new_tokens:  # every row ended early: fill the promised columns with pad
-            new_tokens = torch.nn.functional.pad(new_tokens, (0, max_new_tokens - new_tokens.shape[1]), value=pad_id)
+            new_tokens = torch.nn.functional.pad(new_tokens, (0, max_new_tokens - new_tokens.shape[1]), value=decoding.pad_id)  # fmt: skip
         sequences = torch.cat([input_ids, new_tokens], dim=1)
-        if not config.return_dict_in_generate:
+        if not decoding.config.return_dict_in_generate:
             return sequences
-        num_new = _length_through_eos(new_tokens, eos_ids)
+        num_new = torch.clamp(first_eos_index(new_tokens, decoding.eos_ids) + 1, max=max_new_tokens)
         return CloverGenerationOutput(
             sequences=sequences,
             num_forward_passes=num_forwards,
@@ -417,116 +465,43 @@ class CloverGenerationMixin(GenerationMixin):
                 processors.append(TopPLogitsWarper(config.top_p))
         return processors
 
-    def _prefill(self, input_ids, attention_mask, max_length: int, chunk_size: int, static: bool) -> CloverCache:
-        from .modeling_clover import CloverCache
-
-        if static:  # few distinct buffer lengths, so the compiled step is not retraced for every prompt length
+    def _prefill(self, input_ids, attention_mask, max_new_tokens: int, config) -> CloverDecodingState:
+        """Builds the cache (static with `compile`), enters the prompt in chunks of `prefill_chunk_size` (so a long
+        prompt never builds a dense prompt x prompt mask), and returns the decoding state."""
+        batch_size, prompt_length = input_ids.shape
+        capacity = math.ceil(max_new_tokens / config.block_size) * config.block_size
+        # One block more than is ever committed: a fused forward writes the next canvas past the committed length.
+        max_length = prompt_length + capacity + config.block_size
+        if config.compile:  # few distinct buffer lengths, so the compiled step is not retraced for every prompt length
             max_length = -(-max_length // STATIC_LENGTH_MULTIPLE) * STATIC_LENGTH_MULTIPLE
-        cache = CloverCache(self.config, max_length=max_length, static=static, device=input_ids.device)
-        for start in range(0, input_ids.shape[1], chunk_size):
-            end = min(start + chunk_size, input_ids.shape[1])
+        cache = CloverCache(self.config, max_length=max_length, static=config.compile, device=input_ids.device)
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, capacity)], dim=1)
+        if config.compile:  # padded once to the buffer: every step of every prompt in the bucket has one mask shape
+            full_mask = torch.nn.functional.pad(full_mask, (0, max_length - full_mask.shape[1]))
+        chunk_size = config.prefill_chunk_size
+        for start in range(0, prompt_length, chunk_size):
+            end = min(start + chunk_size, prompt_length)
             self.model(
                 input_ids=input_ids[:, start:end],
-                attention_mask=attention_mask[:, :end],
+                attention_mask=full_mask if config.compile else attention_mask[:, :end],
                 past_key_values=cache,
                 use_cache=True,
             )
-        return cache
+        return CloverDecodingState(
+            cache=cache,
+            attention_mask=full_mask,
+            next_position=attention_mask.sum(-1, keepdim=True),
+            prompt_length=prompt_length,
+            padded=not bool(attention_mask.all()),
+            forward=self._compiled_forward() if config.compile else self,
+        )
 
-    # ---- 2. the block loop ----------------------------------------------------------------------------------------
-
-    def _compiled_decoder(self):
-        """The static-cache decoding step, compiled once per model."""
-        if getattr(self, "_clover_compiled_decoder", None) is None:
+    def _compiled_forward(self):
+        """The model's forward, compiled once per model (traced once per input length on a static cache)."""
+        if getattr(self, "_clover_compiled_forward", None) is None:
             # Compile a bound method, not a module: a module attribute would join the state dict.
-            self._clover_compiled_decoder = torch.compile(self._static_block_logits)
-        return self._clover_compiled_decoder
-
-    def _static_block_logits(self, inputs_embeds, attention_mask, position_ids, block_ids, cache, commit_length):
-        hidden_states = self.model.static_decoding_forward(
-            inputs_embeds, attention_mask, position_ids, block_ids, cache, commit_length
-        )
-        return self.lm_head(hidden_states[:, -self.config.block_size :])
-
-    def _denoising_forward(self, decoder, canvas, pending, cache, full_mask, padded, next_position, start, prompt_len):
-        """Logits of the canvas (batch, block, vocab). With a pending block, one forward over [pending, canvas]
-        commits the pending block to the cache (its first block_size tokens) and denoises the canvas. `decoder` is
-        the compiled static-cache step, or None for the eager forward; `padded` says whether any prompt is
-        left-padded (else a step over the canvas alone attends without a mask)."""
-        block_size = canvas.shape[1]
-        inputs = canvas if pending is None else torch.cat([pending, canvas], dim=1)
-        offset = start - (0 if pending is None else block_size)  # first generated column of this forward
-        positions = next_position + offset + torch.arange(inputs.shape[1], device=canvas.device)
-        commit_length = 0 if pending is None else block_size
-        # Embed here: ids the model wrote itself need no range check (a host sync per forward).
-        inputs_embeds = self.model.embed_tokens(inputs)
-        if decoder is None and pending is None and not padded:  # one block that sees everything: no mask
-            attention_mask, block_ids = None, 0
-        else:
-            attention_mask = (
-                full_mask if decoder is not None else full_mask[:, : prompt_len + offset + inputs.shape[1]]
-            )
-            block_ids = (torch.arange(inputs.shape[1], device=canvas.device) // block_size).expand_as(inputs)
-        if decoder is not None:
-            logits = decoder(inputs_embeds, attention_mask, positions, block_ids, cache, commit_length)
-            cache.advance(commit_length)
-            return logits
-        outputs = self.model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            block_ids=block_ids,
-            commit_length=commit_length,
-            use_cache=False,
-        )
-        return self.lm_head(outputs.last_hidden_state[:, -block_size:])
-
-    def _denoising_step(self, canvas, logits, to_decode, context, processors, config, steps_left, generator):
-        """One LowConfidence step. Returns the new canvas and the positions committed in this step."""
-        batch_size, block_size, vocab = logits.shape
-        scores = logits.float()
-        scores[..., config.mask_token_id] = -math.inf  # never propose the mask itself
-        if len(processors):
-            rows = context.repeat_interleave(block_size, dim=0)  # each position sees its row's sequence
-            scores = processors(rows, scores.reshape(-1, vocab)).reshape(batch_size, block_size, vocab)
-        candidate, confidence = candidates_and_confidence(scores, config.do_sample, generator)
-        commit = select_positions_to_commit(
-            confidence, to_decode, config.threshold, min_commits_per_step(to_decode, steps_left)
-        )
-        return torch.where(commit, candidate, canvas), commit
-
-    def _commit(self, canvas, cache, full_mask, next_position, start, prompt_len) -> None:
-        """Unfused path: one forward that appends the finished block to the cache."""
-        positions = next_position + start + torch.arange(canvas.shape[1], device=canvas.device)
-        self.model(
-            inputs_embeds=self.model.embed_tokens(canvas),
-            attention_mask=full_mask[:, : prompt_len + start + canvas.shape[1]],
-            position_ids=positions,
-            past_key_values=cache,
-            block_ids=torch.zeros_like(canvas),
-            use_cache=True,
-        )
-
-    @staticmethod
-    def _stop_after_eos(canvas, to_decode, eos_ids) -> torch.Tensor:
-        """A row whose first EOS is committed with nothing masked before it is done: what follows becomes pad,
-        so decoding it would only cost forwards."""
-        if eos_ids.numel() == 0:
-            return to_decode
-        index = torch.arange(canvas.shape[1], device=canvas.device)
-        is_eos = torch.isin(canvas, eos_ids) & ~to_decode
-        first_eos = torch.where(is_eos, index, canvas.shape[1]).min(dim=-1, keepdim=True).values
-        masked_before = (to_decode & (index < first_eos)).any(dim=-1, keepdim=True)
-        return to_decode & ~((index > first_eos) & ~masked_before)
-
-    @staticmethod
-    def _pad_after_eos(canvas, finished, eos_ids, pad_id) -> torch.Tensor:
-        if eos_ids.numel() == 0:
-            return canvas
-        is_eos = torch.isin(canvas, eos_ids).long()
-        after_eos = is_eos.cumsum(-1) - is_eos > 0
-        return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
+            self._clover_compiled_forward = torch.compile(self.forward)
+        return self._clover_compiled_forward
 
     def _prepare_generation_config(self, generation_config=None, **kwargs):
         """Pipelines on transformers 5.2 build their config here, with their defaults (do_sample=True,
@@ -565,33 +540,40 @@ def _as_id_tensor(token_ids, device) -> torch.Tensor:
     return torch.tensor(list(token_ids), dtype=torch.long, device=device)
 
 
-def _contains(tokens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    if ids.numel() == 0:
-        return torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-    return torch.isin(tokens, ids).any(dim=-1)
+def first_eos_index(tokens: torch.Tensor, eos_ids: torch.Tensor, is_eos: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of `tokens` (batch, n), the index of its first EOS, or n when it has none. `is_eos` overrides which
+    positions count as EOS."""
+    if is_eos is None:
+        is_eos = torch.isin(tokens, eos_ids)
+    index = torch.arange(tokens.shape[-1], device=tokens.device)
+    return torch.where(is_eos, index, tokens.shape[-1]).min(dim=-1).values
 
 
-def _visible_tokens(row: torch.Tensor, eos_ids, block_size: int, start: int, max_new_tokens: int) -> torch.Tensor:
-    """The tokens of a committed block a reader should see: up to the length limit, through the first EOS."""
-    row = row[: max(min(block_size, max_new_tokens - start), 0)]
-    if eos_ids.numel():
-        hits = torch.isin(row, eos_ids).nonzero()
-        if len(hits):
-            row = row[: int(hits[0]) + 1]
-    return row
-
-
-def _length_through_eos(new_tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
-    """Per row: index of the first EOS + 1, or all the columns when there is none."""
-    length = new_tokens.shape[1]
+def _stop_after_eos(canvas, to_decode, eos_ids) -> torch.Tensor:
+    """A row whose first EOS is committed with nothing masked before it is done: what follows becomes pad, so
+    decoding it would only cost forwards."""
     if eos_ids.numel() == 0:
-        return torch.full((new_tokens.shape[0],), length, dtype=torch.long, device=new_tokens.device)
-    index = torch.arange(length, device=new_tokens.device)
-    first = torch.where(torch.isin(new_tokens, eos_ids), index, length).min(dim=-1).values
-    return torch.clamp(first + 1, max=length)
+        return to_decode
+    first_eos = first_eos_index(canvas, eos_ids, torch.isin(canvas, eos_ids) & ~to_decode)[:, None]
+    index = torch.arange(canvas.shape[1], device=canvas.device)
+    masked_before = (to_decode & (index < first_eos)).any(dim=-1, keepdim=True)
+    return to_decode & ~((index > first_eos) & ~masked_before)
+
+
+def _pad_after_eos(canvas, finished, eos_ids, pad_id) -> torch.Tensor:
+    index = torch.arange(canvas.shape[1], device=canvas.device)
+    after_eos = index > first_eos_index(canvas, eos_ids)[:, None]
+    return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
+
+
+def _visible_tokens(row: torch.Tensor, eos_ids, length: int) -> torch.Tensor:
+    """The tokens of a committed block a reader should see: its first `length` (the budget), through the first EOS."""
+    row = row[:length]
+    return row[: int(first_eos_index(row, eos_ids)) + 1]
 
 
 __all__ = [
+    "CloverDecodingState",
     "CloverGenerationConfig",
     "CloverGenerationMixin",
     "CloverGenerationOutput",

@@ -1,10 +1,12 @@
-"""Exact-match accuracy and tokens per forward of a demo Clover on held-out problems, across thresholds.
+"""Exact-match accuracy and tokens per forward of a demo model on held-out problems.
 
-    python scripts/eval_demo.py                       # the shipped model, 50 problems per family
+    python scripts/eval_demo.py                                   # the shipped Clover, 50 problems per family
+    python scripts/eval_demo.py --model models/qwen3_5_moe-tiny-demo    # its autoregressive base, same problems
     python scripts/eval_demo.py --model DIR --per-family 100 --output eval_results
 
-Prints a table (accuracy per family and overall, tokens per forward) and writes eval_demo.json and eval_demo.png.
-The problems come from a seed the training corpus never used.
+A Clover checkpoint is decoded by block diffusion at each threshold; any other causal LM (the demo's Qwen3.5-MoE
+base) by its own greedy `generate`, one token per forward. Prints a table (accuracy per family and overall, tokens
+per forward) and writes eval_demo.json and eval_demo.png. The problems come from a seed training never used.
 """
 
 from __future__ import annotations
@@ -37,34 +39,54 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--per-family", type=int, default=50)
     parser.add_argument("--seed", type=int, default=12345, help="held-out seed (training uses seed + 1 = 1)")
-    parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
+    parser.add_argument(
+        "--thresholds", type=float, nargs="+", default=list(THRESHOLDS), help="Clover's LowConfidence thresholds"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--output", default="eval_results")
     return parser.parse_args()
 
 
+def is_clover(model) -> bool:
+    return model.config.model_type == "clover"
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, threshold: float, batch_size: int, max_new_tokens: int) -> dict:
-    """Greedy block diffusion over the examples; per family: correct count, new tokens, forwards."""
+def evaluate(model, tokenizer, examples, threshold: float | None, batch_size: int, max_new_tokens: int) -> dict:
+    """Greedy decoding of the examples (block diffusion at `threshold` for Clover, else the model's own AR
+    `generate`); per family: correct count, new tokens (through EOS), forwards."""
     encoded = [encode_example(tokenizer, e, model.config.max_position_embeddings)[0] for e in examples]
     order = sorted(range(len(examples)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+    eos_ids = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
     stats = defaultdict(lambda: {"correct": 0, "total": 0, "new_tokens": 0, "forwards": 0})
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, padding=True, return_tensors="pt")
-        out = model.generate(
-            **batch, max_new_tokens=max_new_tokens, threshold=threshold, do_sample=False, return_dict_in_generate=True
-        )
-        new = out.sequences[:, batch["input_ids"].shape[1] :]
+        new, forwards = generate(model, batch, threshold, max_new_tokens, eos_ids)
         for j, i in enumerate(rows):
-            reply = tokenizer.decode(new[j, : int(out.num_new_tokens[j])], skip_special_tokens=True)
+            reply = tokenizer.decode(new[j, : int(forwards["new"][j])], skip_special_tokens=True)
             family = examples[i].family
             stats[family]["total"] += 1
             stats[family]["correct"] += int(check_reply(examples[i], reply))
-            stats[family]["new_tokens"] += int(out.num_new_tokens[j])
-            stats[family]["forwards"] += int(out.num_forward_passes[j])
+            stats[family]["new_tokens"] += int(forwards["new"][j])
+            stats[family]["forwards"] += int(forwards["forwards"][j])
     return dict(stats)
+
+
+def generate(model, batch, threshold, max_new_tokens, eos_ids) -> tuple[torch.Tensor, dict]:
+    """(new tokens (batch, n), {"new": tokens through EOS per row, "forwards": forwards per row})."""
+    prompt_len = batch["input_ids"].shape[1]
+    if is_clover(model):
+        out = model.generate(
+            **batch, max_new_tokens=max_new_tokens, threshold=threshold, do_sample=False, return_dict_in_generate=True
+        )
+        new = out.sequences[:, prompt_len:]
+        return new, {"new": out.num_new_tokens, "forwards": out.num_forward_passes}
+    new = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)[:, prompt_len:]
+    is_eos = torch.isin(new, eos_ids)
+    through_eos = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, new.shape[1])
+    return new, {"new": through_eos, "forwards": through_eos}  # one token per forward
 
 
 def summarise(stats: dict) -> dict:
@@ -116,10 +138,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}
-    for threshold in tqdm(args.thresholds, desc="thresholds"):
+    for threshold in tqdm(args.thresholds if is_clover(model) else [None], desc="runs"):
         start = time.perf_counter()
         stats = evaluate(model, tokenizer, examples, threshold, args.batch_size, args.max_new_tokens)
-        results[str(threshold)] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
+        results[str(threshold or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
 
     header = f"{'threshold':>9} | " + " | ".join(f"{f:>9}" for f in FAMILIES) + " |       all | tok/fwd"
     print(header)
@@ -132,7 +154,8 @@ def main() -> None:
     output.mkdir(parents=True, exist_ok=True)
     payload = {"model": model_label(args.model), "per_family": args.per_family, "seed": args.seed, "results": results}
     (output / "eval_demo.json").write_text(json.dumps(payload, indent=1))
-    plot(results, output / "eval_demo.png")
+    if is_clover(model):
+        plot(results, output / "eval_demo.png")
     print(f"wrote {output / 'eval_demo.json'} and {output / 'eval_demo.png'}")
 
 

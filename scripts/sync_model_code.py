@@ -2,8 +2,8 @@
 
     python scripts/sync_model_code.py [DIR ...]
 
-A checkpoint runs its own copy of configuration_clover.py, modeling_clover.py and generation_clover.py under
-trust_remote_code; after changing the package, refresh the copies so the checkpoint runs the new code.
+A checkpoint runs its own copy of the code files (`clover.conversion_clover.CODE_FILES`) under trust_remote_code;
+after changing the package, refresh the copies so the checkpoint runs the new code.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from clover.conversion_clover import CODE_FILES
+
 REPO = Path(__file__).resolve().parents[1]
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
 
 
 def main(argv: list[str]) -> None:

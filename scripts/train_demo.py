@@ -1,36 +1,45 @@
-"""Trains the tiny demo Clover from scratch on the procedurally generated chat tasks (CPU, under an hour).
+"""Makes the tiny demo models the way Clover was made: an autoregressive base, its conversion, the adaptation.
 
-    python scripts/train_demo.py --output models/clover-tiny-demo
+    python scripts/train_demo.py                      # every stage; rerun the same command to resume
+    python scripts/train_demo.py --stages base        # one stage (the ones before it must be done)
 
-Builds the demo tokenizer, generates the corpus, trains with the block-diffusion objective (progress bar, loss
-logged), and saves a checkpoint that loads with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`
-plus `learning_curve.json` / `learning_curve.png`.
+1. data:    the demo tokenizer and the chat corpus (JSONL, training seed 1; eval_demo.py holds out seed 12345);
+2. base:    transformers' Qwen3_5MoeForCausalLM in Clover's layer layout, trained causally on the answers with
+            transformers.Trainer -> --base-output (a plain Qwen3.5-MoE checkpoint: the AR model Clover is compared
+            with);
+3. convert: scripts/convert_qwen3_5_moe.py turns the base into a Clover checkpoint;
+4. adapt:   scripts/train.py trains it with the block-diffusion objective (plus a causal next-token loss) ->
+            --output (the shipped Clover), with one learning-curve plot of both stages.
+
+Everything in progress lives in --work: the settings of the run (run.json), Trainer checkpoints of the two training
+stages (every --save-steps; an interrupted stage resumes from its newest one, optimizer, scheduler and data
+position included), and the converted checkpoint. The two outputs are written whole or not at all, and an output
+this run did not write is replaced only with --force.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import shutil
-import tempfile
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
-from clover import CloverConfig, CloverForBlockDiffusion
-from clover.demo_tasks import FAMILIES, build_demo_tokenizer, encode_example, generate_examples
-from clover.training_clover import CloverDataCollator
+from clover.demo_tasks import FAMILIES, build_demo_tokenizer, generate_examples, write_chat_jsonl
+from clover.training_clover import CausalChatCollator, encode_chat_example, read_chat_jsonl, token_budget_batches
 
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ("data", "base", "convert", "adapt")
+
+# Clover's layout at the demo's size: Gated DeltaNet layers with gated full attention every fourth layer.
 DEMO_ARCHITECTURE = dict(
     hidden_size=192,
     num_hidden_layers=4,
-    # Clover's layout: three Gated DeltaNet layers, then gated full attention. (A run with two attention layers out
-    # of four learned no more copying from the prompt in the hour, and made a long prompt's step much dearer.)
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -39,187 +48,346 @@ DEMO_ARCHITECTURE = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=48,
     linear_value_head_dim=48,
+    linear_conv_kernel_dim=4,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=160,
     shared_expert_intermediate_size=192,
     max_position_embeddings=1024,
-    block_size=32,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     tie_word_embeddings=False,
 )
 
-# Tool-call prompts carry the tool list (about 350 tokens against 40 to 60 for the other families), so an example of
-# that family costs several of the others; it gets fewer examples, addition (the hardest) the most.
-TRAINING_MIX = [0.32, 0.28, 0.26, 0.14]
+# Relative number of training examples per family. A tool-call prompt carries the tool list (about 320 tokens
+# against 35 to 55 for the others), so that family gets fewer examples for its share of the compute.
+TRAINING_MIX = (0.3, 0.26, 0.24, 0.2)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", default="models/clover-tiny-demo")
-    parser.add_argument("--minutes", type=float, default=54.0, help="training time budget (the schedule fits it)")
-    parser.add_argument("--num-examples", type=int, default=80000)
+    parser.add_argument("--output", default=str(REPO / "models" / "clover-tiny-demo"), help="the Clover model")
     parser.add_argument(
-        "--mix",
-        type=float,
-        nargs=len(FAMILIES),
-        default=TRAINING_MIX,
-        metavar="W",
-        help=f"relative number of training examples per family ({', '.join(FAMILIES)})",
+        "--base-output", default=str(REPO / "models" / "qwen3_5_moe-tiny-demo"), help="the autoregressive base"
     )
+    parser.add_argument("--work", default=str(REPO / "runs" / "tiny-demo"), help="checkpoints and intermediates")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--num-examples", type=int, default=200_000, help="training conversations")
+    parser.add_argument("--mix", type=float, nargs=len(FAMILIES), default=list(TRAINING_MIX), metavar="W")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary (every task word one token)")
+    parser.add_argument("--hidden-size", type=int, default=DEMO_ARCHITECTURE["hidden_size"])
     parser.add_argument(
-        "--vocab-size", type=int, default=2048, help="BPE vocabulary (2048 makes every task word a single token)"
+        "--layers", default="lllf", help="layer layout: l = Gated DeltaNet, f = full attention (e.g. lllflllf)"
     )
-    parser.add_argument("--batch-tokens", type=int, default=4096, help="prompt + answer tokens per batch (about)")
+    parser.add_argument("--moe-intermediate-size", type=int, default=DEMO_ARCHITECTURE["moe_intermediate_size"])
     parser.add_argument(
-        "--noise-eps", type=float, default=0.1, help="smallest noise level t (a clipped schedule lowers the variance)"
+        "--shared-expert-intermediate-size", type=int, default=DEMO_ARCHITECTURE["shared_expert_intermediate_size"]
     )
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="prompt + answer tokens per batch")
+    parser.add_argument("--base-steps", type=int, default=12000)
+    parser.add_argument("--base-lr", type=float, default=3e-3)
+    parser.add_argument("--adapt-steps", type=int, default=3000)
+    parser.add_argument("--adapt-lr", type=float, default=1e-3)
+    parser.add_argument("--noise-eps", type=float, default=0.1, help="smallest noise level t of the adaptation")
+    parser.add_argument(
+        "--causal-loss-weight", type=float, default=0.5, help="next-token loss kept during the adaptation"
+    )
+    parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument(
-        "--complementary", action="store_true", help="also train each example on its mask's complement"
+        "--resume-from", default=None, metavar="CHECKPOINT", help="resume the first stage run from this checkpoint"
     )
-    parser.add_argument("--init", default=None, help="continue from this demo checkpoint instead of from scratch")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
-    return parser.parse_args()
+    parser.add_argument("--force", action="store_true", help="replace outputs that this run did not write")
+    return parser.parse_args(argv)
 
 
-def make_batches(encoded: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
-    """Groups examples of similar length so left padding wastes little; shuffles the groups."""
-    order = sorted(encoded, key=lambda e: (len(e["prompt_ids"]), len(e["answer_ids"])))
-    batches, current, longest = [], [], 0
-    for example in order:
-        length = len(example["prompt_ids"]) + len(example["answer_ids"])
-        if current and max(longest, length) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(example)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
+# ---- the run's record ------------------------------------------------------------------------------------------
 
 
-def save_curve(history: list[dict], output: Path) -> None:
-    (output / "learning_curve.json").write_text(json.dumps(history, indent=1))
-    try:
-        import matplotlib
+def settings(args) -> dict:
+    """What makes two runs the same run: a checkpoint is only resumed under the settings that made it."""
+    keys = ("num_examples", "mix", "vocab_size", "hidden_size", "layers", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "batch_tokens", "base_steps", "base_lr",
+            "adapt_steps", "adapt_lr", "noise_eps", "causal_loss_weight", "seed")  # fmt: skip
+    return {key: getattr(args, key) for key in keys}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [h["loss"] for h in history], lw=0.8, label="loss (EMA)")
+
+class Run:
+    """run.json in the work directory: the settings, and per stage when it finished and how long it took."""
+
+    def __init__(self, args):
+        self.work = Path(args.work)
+        self.path = self.work / "run.json"
+        self.settings = settings(args)
+        if self.path.is_file():
+            record = json.loads(self.path.read_text())
+            if record["settings"] != self.settings:
+                changed = {k: (record["settings"].get(k), v) for k, v in self.settings.items() if record["settings"].get(k) != v}  # fmt: skip
+                raise SystemExit(
+                    f"{self.work} holds a run with other settings ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}); "
+                    "its checkpoints would not fit. Rerun with its settings, or pass another --work."
+                )
+            self.stages = record["stages"]
+        else:
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.stages = {}
+            self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps({"settings": self.settings, "stages": self.stages}, indent=1))
+
+    def done(self, stage: str) -> bool:
+        return stage in self.stages
+
+    def finish(self, stage: str, seconds: float, **facts) -> None:
+        self.stages[stage] = {"seconds": round(seconds), **facts}
+        self.save()
+
+
+def architecture(args) -> dict:
+    kinds = {"l": "linear_attention", "f": "full_attention"}
+    if not args.layers or set(args.layers) - set(kinds):
+        raise SystemExit(f"--layers ({args.layers!r}) must be a string of l (Gated DeltaNet) and f (full attention).")
+    return {**DEMO_ARCHITECTURE, "hidden_size": args.hidden_size, "num_hidden_layers": len(args.layers),
+            "layer_types": [kinds[c] for c in args.layers], "moe_intermediate_size": args.moe_intermediate_size,
+            "shared_expert_intermediate_size": args.shared_expert_intermediate_size}  # fmt: skip
+
+
+def check_output(path: Path, run: Run, stage: str, force: bool) -> None:
+    """An existing output that another run wrote is kept unless --force: it may be the only copy of a model."""
+    if path.exists() and any(path.iterdir()) and not force:
+        written = run.stages.get(stage, {}).get("output")
+        if written != str(path.resolve()):
+            raise SystemExit(f"{path} exists and this run did not write it; pass --force to replace it (it is "
+                             "replaced only once the new model is complete), or choose another output.")  # fmt: skip
+
+
+def publish(staging: Path, output: Path) -> None:
+    """Moves a complete model directory into place; the old one is removed only after the new one is there."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    old = output.with_name(f".{output.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if output.exists():
+        output.rename(old)
+    staging.rename(output)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def last_checkpoint(directory: Path) -> str | None:
+    checkpoints = sorted(directory.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return str(checkpoints[-1]) if checkpoints else None
+
+
+def check_resume_point(checkpoint: str, expected: dict) -> None:
+    """--resume-from must name a Trainer checkpoint of this stage's model."""
+    path = Path(checkpoint)
+    if not (path / "trainer_state.json").is_file():
+        raise SystemExit(f"--resume-from {path}: no Trainer checkpoint there (no trainer_state.json).")
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    differs = {k: (config.get(k), v) for k, v in expected.items() if config.get(k) != v}
+    if differs:
+        raise SystemExit(
+            f"--resume-from {path} is a checkpoint of another model "
+            f"({', '.join(f'{k}={a!r}, this run has {b!r}' for k, (a, b) in differs.items())})."
+        )
+
+
+# ---- stages ------------------------------------------------------------------------------------------------------
+
+
+def stage_data(args, run: Run) -> None:
+    """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
+    work = run.work
+    tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
+    # Training conversations come from seed + 1, the eval-loss split from seed + 2; eval_demo.py uses 12345.
+    train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix)
+    write_chat_jsonl(train, work / "train.jsonl")
+    write_chat_jsonl(generate_examples(256, seed=args.seed + 2), work / "eval.jsonl")
+    print(f"data: tokenizer of {len(tokenizer)} tokens, {len(train)} training conversations in {work}")
+
+
+def encoded(path: Path, tokenizer, max_length: int) -> list[dict]:
+    return [encode_chat_example(tokenizer, record, max_length) for record in read_chat_jsonl(path)]
+
+
+def stage_base(args, run: Run, resume: str | None) -> None:
+    """transformers' own Qwen3_5MoeForCausalLM, next-token loss on the answer tokens, transformers.Trainer."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    work, output = run.work, Path(args.base_output)
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **architecture(args),
+    )
+    torch.manual_seed(args.seed)
+    model = Qwen3_5MoeForCausalLM(config)
+    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    max_length = config.max_position_embeddings
+    train = token_budget_batches(encoded(work / "train.jsonl", tokenizer, max_length), args.batch_tokens, args.seed)
+    held_out = token_budget_batches(encoded(work / "eval.jsonl", tokenizer, max_length), args.batch_tokens, args.seed)
+    checkpoints = work / "base"
+    resume = resume or last_checkpoint(checkpoints)
+    if resume:
+        check_resume_point(resume, {"model_type": config.model_type, "hidden_size": config.hidden_size,
+                                    "layer_types": config.layer_types, "vocab_size": config.vocab_size})  # fmt: skip
+        print(f"base: resuming from {resume}")
+    trainer = Trainer(
+        model=model,
+        args=training_arguments(args, checkpoints, args.base_steps, args.base_lr),
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=CausalChatCollator(tokenizer.pad_token_id),
+    )
+    start = time.time()
+    trainer.train(resume_from_checkpoint=resume)
+
+    staging = output.with_name(f".{output.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    generation_config(tokenizer).save_pretrained(staging)
+    (staging / "learning_curve.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    publish(staging, output)
+    run.finish("base", time.time() - start, output=str(output.resolve()), steps=trainer.state.global_step)
+    print(f"base: saved {output}")
+
+
+def generation_config(tokenizer) -> GenerationConfig:
+    # As in Qwen's generation config: <|im_end|> ends a turn, and <|endoftext|> (the padding) ends it too.
+    return GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=256,
+        do_sample=False,
+    )
+
+
+def training_arguments(args, output_dir: Path, steps: int, lr: float) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 50),
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        per_device_train_batch_size=1,  # each item is a token-budget batch
+        per_device_eval_batch_size=1,
+        eval_strategy="steps",
+        eval_steps=args.save_steps,
+        logging_steps=25,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_pin_memory=False,
+    )
+
+
+def stage_convert(args, run: Run) -> None:
+    start = time.time()
+    converted = run.work / "converted"
+    mask_token_id = AutoTokenizer.from_pretrained(args.base_output).mask_token_id
+    command = [sys.executable, str(REPO / "scripts" / "convert_qwen3_5_moe.py"), "--input", args.base_output,
+               "--output", str(converted), "--dtype", "float32", "--mask-token-id", str(mask_token_id), "--force"]  # fmt: skip
+    subprocess.run(command, check=True)
+    run.finish("convert", time.time() - start, output=str(converted.resolve()))
+
+
+def stage_adapt(args, run: Run, resume: str | None) -> None:
+    """scripts/train.py, the fine-tuning path users run, on the corpus the data stage wrote."""
+    work, output = run.work, Path(args.output)
+    adapted = work / "adapted"
+    command = [
+        sys.executable, str(REPO / "scripts" / "train.py"),
+        "--model", str(work / "converted"), "--data", str(work / "train.jsonl"),
+        "--eval-data", str(work / "eval.jsonl"), "--output", str(adapted), "--force",
+        "--checkpoint-dir", str(work / "adapt"), "--save-steps", str(args.save_steps),
+        "--max-steps", str(args.adapt_steps), "--batch-tokens", str(args.batch_tokens),
+        "--lr", str(args.adapt_lr), "--lr-scheduler", "cosine", "--warmup-steps", str(max(1, args.adapt_steps // 50)), "--weight-decay", "0.01",
+        "--noise-eps", str(args.noise_eps), "--causal-loss-weight", str(args.causal_loss_weight),
+        "--eval-steps", str(args.save_steps), "--logging-steps", "25", "--seed", str(args.seed),
+    ]  # fmt: skip
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    if resume:
+        command += ["--resume-from-checkpoint", resume]
+    start = time.time()
+    subprocess.run(command, check=True)
+
+    staging = output.with_name(f".{output.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(adapted, staging)
+    plot_learning_curves(Path(args.base_output) / "learning_curve.json", adapted / "learning_curve.json", staging)
+    publish(staging, output)
+    run.finish("adapt", time.time() - start, output=str(output.resolve()))
+    print(f"adapt: saved {output}")
+
+
+def plot_learning_curves(base_log: Path, adapt_log: Path, output_dir: Path) -> None:
+    """One plot of both stages: the base's next-token loss, then the adaptation's block-diffusion loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base, adapt = json.loads(base_log.read_text()), json.loads(adapt_log.read_text())
+    offset = max(entry.get("step", 0) for entry in base)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for log, shift, name, color in ((base, 0, "base (next-token)", "tab:blue"), (adapt, offset, "adaptation (block diffusion)", "tab:orange")):  # fmt: skip
+        train = [(e["step"] + shift, e["loss"]) for e in log if "loss" in e]
+        held_out = [(e["step"] + shift, e["eval_loss"]) for e in log if "eval_loss" in e]
+        ax.plot(*zip(*train, strict=True), lw=0.8, color=color, label=f"{name}: training loss")
+        if held_out:
+            ax.plot(*zip(*held_out, strict=True), "o", ms=3, color=color, label=f"{name}: held-out loss")
+    ax.axvline(offset, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("block-diffusion loss")
+    ax.set_ylabel("loss per answer token")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.set_title("Tiny Clover demo: training loss")
+    ax.legend(fontsize=7)
+    ax.set_title("Tiny demo: AR base, then conversion and block-diffusion adaptation")
     fig.tight_layout()
-    fig.savefig(output / "learning_curve.png", dpi=120)
+    fig.savefig(output_dir / "learning_curve.png", dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
-    args = parse_args()
-    output = Path(args.output)
-    if output.exists() and not args.force:
-        raise SystemExit(f"{output} exists; pass --force to replace it.")
-    torch.manual_seed(args.seed)
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rng = random.Random(args.seed)
-    work = Path(tempfile.mkdtemp(prefix=".clover-demo-", dir=output.parent if output.parent.exists() else None))
-
-    if args.init:
-        tokenizer = AutoTokenizer.from_pretrained(args.init)
-        model = CloverForBlockDiffusion.from_pretrained(args.init)
-        config = model.config
-    else:
-        tokenizer = build_demo_tokenizer(work, vocab_size=args.vocab_size, seed=args.seed)
-        config = CloverConfig(
-            vocab_size=len(tokenizer),
-            mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            **DEMO_ARCHITECTURE,
-        )
-        model = CloverForBlockDiffusion(config)
-    model.generation_config.max_new_tokens = 256
-    # As in Qwen's generation config: <|im_end|> ends a turn, and <|endoftext|> (the padding) ends it too.
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {config.vocab_size}")
-
-    # Training problems come from seed + 1 (+ 100 per continuation); eval_demo.py holds out seed 12345.
-    seed = args.seed + 1 + (100 if args.init else 0)
-    examples = generate_examples(args.num_examples, seed=seed, families=FAMILIES, weights=args.mix)
-    encoded = []
-    for example in tqdm(examples, desc="encoding", mininterval=2):
-        prompt_ids, answer_ids = encode_example(tokenizer, example, config.max_position_embeddings - config.block_size)
-        encoded.append({"prompt_ids": prompt_ids, "answer_ids": answer_ids})
-    batches = make_batches(encoded, args.batch_tokens, rng)
-    collator = CloverDataCollator(
-        tokenizer.pad_token_id,
-        config.block_size,
-        seed=args.seed,
-        eps=args.noise_eps,
-        complementary=args.complementary,
-    )
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    # Time-based schedule: warmup, then cosine to 10% over the budget, so the run ends on time on any machine.
-    budget = args.minutes * 60
-    warmup_seconds = 0.03 * budget
-
-    def lr_at(elapsed: float) -> float:
-        if elapsed < warmup_seconds:
-            return args.lr * max(elapsed / warmup_seconds, 0.02)
-        progress = min((elapsed - warmup_seconds) / (budget - warmup_seconds), 1.0)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    print(f"corpus: {len(encoded)} examples in {len(batches)} batches")
-    model.train()
-    history, ema, step, start = [], None, 0, time.time()
-    if args.init and (Path(args.init) / "learning_curve.json").is_file():  # continue the curve of the first run
-        history = json.loads((Path(args.init) / "learning_curve.json").read_text())
-        step, ema = history[-1]["step"], history[-1]["loss"]
-    bar = tqdm(total=int(budget), desc="training", unit="s", mininterval=5)
-    while time.time() - start < budget:
-        for batch_examples in batches:
-            elapsed = time.time() - start
-            if elapsed >= budget:
-                break
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(elapsed)
-            loss = model(**collator(batch_examples)).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-            if step % 10 == 0:
-                history.append({"step": step, "seconds": round(elapsed, 1), "loss": ema, "lr": lr_at(elapsed)})
-                bar.set_postfix(step=step, loss=f"{ema:.3f}")
-                bar.update(int(elapsed) - bar.n)
-            if step % 500 == 0:
-                save_curve(history, work)
-        rng.shuffle(batches)
-    bar.close()
-
-    model.eval()
-    model.save_pretrained(work, safe_serialization=True)
-    tokenizer.save_pretrained(work)
-    save_curve(history, work)
-    (work / "training_args.json").write_text(json.dumps({**vars(args), "steps": step}, indent=1))
-    if output.exists():
-        shutil.rmtree(output)
-    work.rename(output)  # whole or nothing: a crash never leaves a half-written model behind
-    print(f"saved {output} after {step} steps ({(time.time() - start) / 60:.1f} min), final loss {ema:.3f}")
+    run = Run(args)
+    check_output(Path(args.base_output), run, "base", args.force)
+    check_output(Path(args.output), run, "adapt", args.force)
+    resume = args.resume_from
+    for stage in STAGES:
+        if stage not in args.stages:
+            continue
+        missing = [s for s in STAGES[: STAGES.index(stage)] if not run.done(s)]
+        if missing:
+            raise SystemExit(f"Stage {stage} needs {', '.join(missing)} first: run them (or all stages).")
+        if run.done(stage):
+            print(f"{stage}: done ({run.stages[stage]['seconds']} s), skipped")
+            continue
+        start = time.time()
+        if stage == "data":
+            stage_data(args, run)
+            run.finish("data", time.time() - start)
+        elif stage == "base":
+            stage_base(args, run, resume)
+        elif stage == "convert":
+            stage_convert(args, run)
+        else:
+            stage_adapt(args, run, resume)
+        resume = None  # --resume-from applies to the first stage that runs
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def test_example_structure():
                 has_reasoning = ["reasoning_content" in m for m in assistants]
                 assert all(has_reasoning) if thinking else not any(has_reasoning)
                 if family == "tool_call":
-                    assert example.tools and 2 <= len(example.tools) <= 4
+                    assert example.tools and 1 <= len(example.tools) <= 2
                     names = [t["function"]["name"] for t in example.tools]
                     if is_tool_call_target(example):
                         assert target["content"] == "" and json.loads(example.expected)["name"] in names
@@ -103,7 +103,10 @@ def test_family_answers_are_right():
     for _ in range(200):
         ex = make_example("addition", rng)
         a, b = map(int, re.findall(r"\d+", ex.messages[-2]["content"]))
-        assert 100 <= a < 10**6 and 100 <= b < 10**6
+        if ex.enable_thinking:  # 3-6 digits, worked out column by column
+            assert 100 <= a < 10**6 and 100 <= b < 10**6
+        else:  # answered at once: 2-3 digits
+            assert 10 <= a < 1000 and 10 <= b < 1000
         assert ex.expected == f"{a} + {b} = {a + b}"
 
         ex = make_example("sorting", rng)

@@ -10,6 +10,7 @@ from transformers import LogitsProcessorList
 from clover.generation_clover import (
     CloverGenerationConfig,
     CloverGenerationOutput,
+    _Decoding,
     candidates_and_confidence,
     min_commits_per_step,
     select_positions_to_commit,
@@ -44,15 +45,14 @@ def generate(model, prompt, **kwargs):
 
 
 def naive_decode(model, prompt, max_new_tokens, threshold, eos_id=EOS_ID):
-    """SPEC "Decoding, precisely" for one row, with no cache: every step reruns [prompt, committed blocks, canvas]
+    """The decode rule (docs/DESIGN.md §6) for one row, with no cache: every step reruns [prompt, committed blocks, canvas]
     with block_ids. Returns (the max_new_tokens new tokens, number of forwards)."""
     context, new_tokens, forwards = prompt[0].tolist(), [], 0
     for block in range(math.ceil(max_new_tokens / BLOCK)):
-        canvas = [MASK_ID] * BLOCK  # positions past max_new_tokens stay masks and are never decoded
-        needed = min(BLOCK, max_new_tokens - block * BLOCK)
+        canvas = [MASK_ID] * BLOCK  # every block is decoded whole, then the answer is cut to max_new_tokens
         while True:
-            masked = [i for i in range(needed) if canvas[i] == MASK_ID]
-            eos_at = [i for i in range(needed) if canvas[i] == eos_id]
+            masked = [i for i in range(BLOCK) if canvas[i] == MASK_ID]
+            eos_at = [i for i in range(BLOCK) if canvas[i] == eos_id]
             if not masked or (eos_at and min(masked) > eos_at[0]):  # done, or EOS with nothing masked before it
                 break
             block_ids = [-1] * prompt.shape[1] + [k for k in range(block + 1) for _ in range(BLOCK)]
@@ -70,12 +70,12 @@ def naive_decode(model, prompt, max_new_tokens, threshold, eos_id=EOS_ID):
             for i in masked:
                 if confidence[i] >= threshold or i == most_confident:
                     canvas[i] = candidate[i]
-        produced = canvas[:needed]
-        if eos_id in produced:
-            new_tokens += produced[: produced.index(eos_id) + 1]
+        if eos_id in canvas:
+            new_tokens += canvas[: canvas.index(eos_id) + 1]
             break
-        new_tokens += produced
+        new_tokens += canvas
         context += canvas
+    new_tokens = new_tokens[:max_new_tokens]
     return new_tokens + [PAD_ID] * (max_new_tokens - len(new_tokens)), forwards
 
 
@@ -102,6 +102,22 @@ def test_generate_equals_the_naive_decoder_when_eos_occurs(model):
     assert out.sequences[0, 6:].tolist() == expected
     assert expected.index(eos_id) <= 10 and expected[-1] == PAD_ID
     assert int(out.num_forward_passes) == forwards
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.3])
+def test_a_shorter_budget_gives_a_prefix_of_a_longer_one(model, unequal_prompts, threshold):
+    # As in autoregressive decoding: the last block is decoded whole and then cut, so the tokens never depend on
+    # max_new_tokens. Budgets 5, 13, 22 and 30 end mid-block; the reference decodes 31 (4 whole blocks).
+    prompts, input_ids, attention_mask = unequal_prompts
+    longest = generate(model, input_ids, attention_mask=attention_mask, threshold=threshold, max_new_tokens=31)
+    single = generate(model, prompts[1], threshold=threshold, max_new_tokens=31).sequences[0, 9:]
+    for budget in (5, 13, 22, 30):
+        batched = generate(model, input_ids, attention_mask=attention_mask, threshold=threshold, max_new_tokens=budget)
+        assert batched.sequences.shape == (2, 9 + budget)
+        torch.testing.assert_close(batched.sequences[:, 9:], longest.sequences[:, 9 : 9 + budget])
+        alone = generate(model, prompts[1], threshold=threshold, max_new_tokens=budget).sequences[0, 9:]
+        torch.testing.assert_close(alone, single[:budget])
+        assert alone.tolist() == naive_decode(model, prompts[1], budget, threshold)[0]
 
 
 # ------------------------------------------------------------------------------------------------ batching and counts
@@ -144,8 +160,9 @@ def test_batched_generate_equals_one_by_one_when_a_row_ends_early(model, unequal
 def test_threshold_one_commits_one_token_per_forward(model):
     out = generate(model, random_ids(1, 6, seed=1), threshold=1.0)
     assert int(out.num_new_tokens) == MAX_NEW_TOKENS  # no EOS
-    assert int(out.num_forward_passes) == MAX_NEW_TOKENS
-    assert out.steps_per_block == [8, 8, 8, 6]
+    # one forward per token of every block, the last one decoded whole (32 tokens) before the cut to 30
+    assert int(out.num_forward_passes) == 4 * BLOCK
+    assert out.steps_per_block == [8, 8, 8, 8]
 
 
 def test_unfused_commit_gives_the_same_tokens_with_one_forward_more_per_committed_block(model, unequal_prompts):
@@ -260,9 +277,8 @@ def test_denoising_step_never_proposes_the_mask_token(tiny_model):
     canvas = torch.tensor([[42, MASK_ID, MASK_ID, MASK_ID]])
     to_decode = canvas == MASK_ID
     config = CloverGenerationConfig(threshold=0.01, mask_token_id=MASK_ID)
-    new_canvas, committed = tiny_model._denoising_step(
-        canvas, logits, to_decode, canvas, LogitsProcessorList(), config, None, None
-    )
+    decoding = _Decoding(config, LogitsProcessorList(), torch.tensor([EOS_ID]), PAD_ID, 4, None, None)
+    new_canvas, committed = tiny_model._denoising_step(canvas, logits, to_decode, canvas, decoding, None)
     assert new_canvas.tolist() == [[42, 5, 5, 5]]
     assert committed.tolist() == [[False, True, True, True]]
 
@@ -405,7 +421,7 @@ def test_static_cache_step_gives_the_same_tokens(tiny_model, monkeypatch):
     # The compiled path's logic without the compiler: whole-buffer keys under a mask, the length as a tensor, GDN
     # states updated in place. Left padding and several blocks, fused and unfused commits.
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-    tiny_model._clover_compiled_decoder = None
+    tiny_model._clover_compiled_forward = None
     prompt = torch.randint(2, 120, (2, 13), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(prompt)
     mask[1, :4] = 0
@@ -415,7 +431,7 @@ def test_static_cache_step_gives_the_same_tokens(tiny_model, monkeypatch):
         static = tiny_model.generate(prompt, compile=True, return_dict_in_generate=True, **kwargs)
         torch.testing.assert_close(static.sequences, eager.sequences, rtol=0, atol=0)
         torch.testing.assert_close(static.num_forward_passes, eager.num_forward_passes, rtol=0, atol=0)
-    tiny_model._clover_compiled_decoder = None
+    tiny_model._clover_compiled_forward = None
 
 
 def test_static_cache_needs_max_length(tiny_config):
@@ -430,14 +446,14 @@ def test_compiled_static_cache_path_gives_the_same_tokens(tiny_model):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    tiny_model._clover_compiled_decoder = None
+    tiny_model._clover_compiled_forward = None
     prompt = torch.randint(2, 120, (1, 11), generator=torch.Generator().manual_seed(3))
     eager = tiny_model.generate(prompt, max_new_tokens=100, threshold=0.5)
     compiled = tiny_model.generate(prompt, max_new_tokens=100, threshold=0.5, compile=True)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     # Four blocks and many steps, yet two traces: the first block's step (32 tokens) and the fused one (64).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
-    assert not any("_clover_compiled_decoder" in name for name in tiny_model.state_dict())
+    assert not any("_clover_compiled_forward" in name for name in tiny_model.state_dict())
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(tiny_model):

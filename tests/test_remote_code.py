@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 
 REPO = Path(__file__).resolve().parents[1]
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_clover.CloverConfig",
     "AutoModel": "modeling_clover.CloverModel",

@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
+from clover.conversion_clover import CODE_FILES
+
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
 
 
 @pytest.fixture(scope="module")

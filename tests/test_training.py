@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
+from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 from clover.training_clover import CloverDataCollator
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py")
 WORDS = (
     "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
 )
@@ -137,9 +137,9 @@ def test_collator_rejects_an_empty_prompt_or_answer_naming_the_example(empty):
 
 
 def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
-    # SPEC: block k is noised and sees the prompt and the *clean* blocks < k. The reference runs one plain
+    # The objective: block k is noised and sees the prompt and the *clean* blocks < k. The reference runs one plain
     # block-causal forward per (row, block) on [prompt, clean blocks < k, noisy block k], unpadded, and weights
-    # the CE of the masked tokens by 1/t over the number of supervised tokens.
+    # the CE of the masked tokens by label_weight / t over the weighted number of supervised tokens.
     features = _features([(3, 19), (5, 7)])
     batch = CloverDataCollator(PAD, 8, seed=1)(features)
     loss = tiny_model(**batch).loss
@@ -150,6 +150,7 @@ def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
         answer = batch["input_ids"][row, answer_start:]
         masked = batch["noise_mask"][row, answer_start:]
         level = batch["noise_level"][row, answer_start:]
+        weight = batch["label_weights"][row, answer_start:]
         for block in range(answer.shape[0] // 8):
             cols = slice(8 * block, 8 * block + 8)
             if not masked[cols].any():
@@ -159,9 +160,36 @@ def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
             block_ids = torch.cat([torch.full((len(prompt),), -1), torch.arange(8 * (block + 1)) // 8])[None]
             logits = tiny_model(input_ids=input_ids, block_ids=block_ids, use_cache=False).logits[0, -8:]
             token_loss = F.cross_entropy(logits[masked[cols]], answer[cols][masked[cols]], reduction="none")
-            total = total + (token_loss / level[cols][masked[cols]]).sum()
-    expected = total / (batch["labels"] != -100).sum()
+            total = total + (token_loss * weight[cols][masked[cols]] / level[cols][masked[cols]]).sum()
+    expected = total / batch["label_weights"].sum()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_collator_weights_the_tail_after_eos_as_one_token():
+    # Row 0: 6 answer tokens in blocks of 4 -> 2 tail pads; row 1: 2 answer tokens -> 2 tail pads, then a block
+    # that row never reaches (unsupervised, weight 0).
+    features = [
+        {"prompt_ids": [5, 6, 7], "answer_ids": [10, 11, 12, 13, 14, EOS]},
+        {"prompt_ids": [8], "answer_ids": [20, EOS]},
+    ]
+    batch = CloverDataCollator(pad_token_id=PAD, block_size=4)(features)
+    torch.testing.assert_close(batch["label_weights"], torch.tensor([
+        [0, 0, 0, 1, 1, 1, 1, 1, 1, 0.5, 0.5],
+        [0, 0, 0, 1, 1, 0.5, 0.5, 0, 0, 0, 0],
+    ]))  # fmt: skip
+    # The tail is noised like the answer: a pad is masked at its block's rate, so a visible one means "ended".
+    assert not (batch["noise_mask"] & (batch["labels"] == -100)).any()
+
+
+def test_collator_tail_mask_keeps_the_tail_masked_and_unsupervised():
+    features = [{"prompt_ids": [8], "answer_ids": [20, EOS]}, {"prompt_ids": [5, 6], "answer_ids": [1, 2, 3, EOS]}]
+    batch = CloverDataCollator(pad_token_id=PAD, block_size=4, tail="mask", mask_token_id=MASK)(features)
+    tail = torch.tensor([[False, False, False, False, True, True], [False] * 6])
+    assert bool(batch["noise_mask"][tail].all())  # always <|mask|> in the noisy copy
+    assert bool((batch["labels"][tail] == -100).all()) and bool((batch["label_weights"][tail] == 0).all())
+    assert bool((batch["input_ids"][tail] == PAD).all())  # the clean stream holds pad, as a committed block does
+    with pytest.raises(ValueError, match="tail='mask' needs mask_token_id"):
+        CloverDataCollator(pad_token_id=PAD, block_size=4, tail="mask")
 
 
 def _copy_task(num: int, seed: int = 0) -> list[dict]:

@@ -23,6 +23,10 @@ class CloverConfig(PretrainedConfig):
         layer_types (`list[str]`, *optional*):
             `"linear_attention"` (Gated DeltaNet) or `"full_attention"` per layer. Defaults to three linear layers
             followed by one full-attention layer, repeated (`full_attention_interval=4`).
+        causal_loss_weight (`float`, defaults to 0.0):
+            Training only: the weight of a next-token loss on the clean sequence (a causal forward, as in the
+            autoregressive base) added to the block-diffusion loss. It keeps a converted base's causal ability,
+            which self-speculative decoding verifies with.
         rope_parameters (`dict`, *optional*):
             `{"rope_type": "default", "rope_theta": ..., "partial_rotary_factor": ...}`; only the default RoPE is
             supported (the text positions of Qwen3.5's mRoPE are plain RoPE).
@@ -82,6 +86,7 @@ class CloverConfig(PretrainedConfig):
         num_experts: int = 256,
         output_router_logits: bool = False,
         router_aux_loss_coef: float = 0.001,
+        causal_loss_weight: float = 0.0,
         layer_types: list[str] | None = None,
         full_attention_interval: int = 4,
         block_size: int = 32,
@@ -115,6 +120,7 @@ class CloverConfig(PretrainedConfig):
         self.num_experts = num_experts
         self.output_router_logits = output_router_logits
         self.router_aux_loss_coef = router_aux_loss_coef
+        self.causal_loss_weight = causal_loss_weight
         self.block_size = block_size
         self.mask_token_id = mask_token_id
 
@@ -187,6 +193,10 @@ class CloverConfig(PretrainedConfig):
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) cannot exceed num_experts ({self.num_experts})."
+            )
+        if not isinstance(self.causal_loss_weight, (int, float)) or self.causal_loss_weight < 0:
+            raise ValueError(
+                f"causal_loss_weight ({self.causal_loss_weight!r}) must be a number >= 0 (0 turns it off)."
             )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size ({self.block_size!r}) must be a positive integer, e.g. 32.")

@@ -1,11 +1,11 @@
 """Clover: the Qwen3.5-MoE text stack (Gated DeltaNet + gated attention + MoE) decoding by block diffusion.
 
 Reading order: norms -> rotary -> masks -> gated delta rule -> Gated DeltaNet -> attention -> MoE -> layer ->
-cache -> PreTrainedModel -> CloverModel -> CloverForBlockDiffusion.
+PreTrainedModel -> CloverModel -> CloverForBlockDiffusion.
 
 Three kinds of forward share the same layers:
 * causal (no `block_ids`): exactly the autoregressive Qwen3.5-MoE;
-* block-causal (`block_ids`): tokens of a block see each other and everything before the block (SPEC 5);
+* block-causal (`block_ids`): tokens of a block see each other and everything before the block (docs/DESIGN.md §4);
 * training (`noisy_input_ids`): the clean sequence followed by its noised answer blocks, each noisy block seeing the
   clean context before it, so one forward covers every block of the objective.
 With a `CloverCache`, a forward reads the committed tokens and appends only its first `commit_length` tokens.
@@ -25,8 +25,9 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, logging
 
+from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig
-from .generation_clover import CloverGenerationConfig, CloverGenerationMixin
+from .generation_clover import CloverDecodingState, CloverGenerationConfig, CloverGenerationMixin
 
 try:
     from transformers.integrations import use_experts_implementation
@@ -129,7 +130,7 @@ def block_causal_mask(
     past_length: int | torch.Tensor = 0,
     key_length: int | None = None,
 ) -> torch.Tensor:
-    """Which keys each query may attend to in a block-causal forward (SPEC 5). `True` means "attend".
+    """Which keys each query may attend to in a block-causal forward (docs/DESIGN.md §4). `True` means "attend".
 
     `block_ids` (batch, q_len) gives -1 for causal context and k >= 0 for the tokens of block k. The `past_length`
     committed keys in front (a cache) are visible to every query. For context C, block 0 = (a b), block 1 = (c d):
@@ -610,7 +611,7 @@ class CloverSparseMoeBlock(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Decoder layer and cache
+# Decoder layer
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -645,121 +646,6 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
         hidden_states = residual + hidden_states
         moe_out, router_logits = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + moe_out, router_logits
-
-
-class CloverCache:
-    """The committed state of a batch of sequences: attention keys/values per full-attention layer, conv window and
-    recurrent state per Gated DeltaNet layer.
-
-    A forward reads it and appends only its first `commit_length` tokens, so denoising forwards (commit_length 0)
-    leave it untouched and a block enters it once, when committed (SPEC 6). GDN states cannot be cropped: to go
-    back, copy the cache first (`CloverCache.copy`).
-
-    A static cache (`static=True`, with `max_length`) never changes a tensor's shape or identity once allocated:
-    attention reads the whole `max_length` buffer under a mask, the committed length is also kept as a tensor
-    (`length`), and the GDN states are updated in place. That is what lets `torch.compile` trace a decoding step
-    once and replay it for every step and block.
-    """
-
-    is_compileable = False
-
-    def __init__(
-        self,
-        config: CloverConfig,
-        max_length: int | None = None,
-        static: bool = False,
-        device: torch.device | str | None = None,
-    ):
-        """`max_length`: allocate the attention buffers for this many tokens up front (no re-allocation while
-        decoding). `static` (needs `max_length`): see the class docstring; `device` holds the `length` tensor."""
-        if static and not max_length:
-            raise ValueError("A static CloverCache needs max_length: the number of tokens it will ever hold.")
-        self.max_length = max_length or 0
-        self.static = static
-        self.layer_types = list(config.layer_types)
-        self.conv_kernel_size = config.linear_conv_kernel_dim
-        num_layers = len(self.layer_types)
-        self.key_cache: list[torch.Tensor | None] = [None] * num_layers
-        self.value_cache: list[torch.Tensor | None] = [None] * num_layers
-        self.conv_states: list[torch.Tensor | None] = [None] * num_layers
-        self.recurrent_states: list[torch.Tensor | None] = [None] * num_layers
-        self._seen_tokens = 0
-        self.length = torch.zeros((), dtype=torch.long, device=device) if static else None
-
-    def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        """Number of committed tokens (padding included)."""
-        return self._seen_tokens
-
-    def attention_kv(
-        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes a forward's keys/values (batch, kv_heads, new, head_dim) right after the committed ones and returns
-        views over committed + new (a static cache: the whole buffer). Nothing is committed here: `advance` moves
-        the committed length, so keys past it are scratch that the next forward overwrites. The buffers grow
-        geometrically, so a step never copies the whole cache."""
-        if self.static:
-            if self.key_cache[layer_idx] is None:  # zeros: masked keys must not hold NaN garbage (0 * NaN = NaN)
-                shape = (*key.shape[:2], self.max_length, key.shape[3])
-                self.key_cache[layer_idx], self.value_cache[layer_idx] = key.new_zeros(shape), value.new_zeros(shape)
-            index = self.length + torch.arange(key.shape[2], device=key.device)
-            self.key_cache[layer_idx].index_copy_(2, index, key)
-            self.value_cache[layer_idx].index_copy_(2, index, value)
-            return self.key_cache[layer_idx], self.value_cache[layer_idx]
-
-        length, new = self._seen_tokens, key.shape[2]
-        buffer = self.key_cache[layer_idx]
-        if buffer is None or buffer.shape[2] < length + new:
-            capacity = max(length + new, 2 * (buffer.shape[2] if buffer is not None else 0), 256, self.max_length)
-            for store in (self.key_cache, self.value_cache):
-                old = store[layer_idx]
-                grown = key.new_empty(*key.shape[:2], capacity, key.shape[3])
-                if old is not None:
-                    grown[:, :, :length] = old[:, :, :length]
-                store[layer_idx] = grown
-        self.key_cache[layer_idx][:, :, length : length + new] = key
-        self.value_cache[layer_idx][:, :, length : length + new] = value
-        return self.key_cache[layer_idx][:, :, : length + new], self.value_cache[layer_idx][:, :, : length + new]
-
-    def update_linear(self, layer_idx: int, conv_inputs: torch.Tensor, recurrent_state: torch.Tensor) -> None:
-        """conv_inputs (batch, channels, new): the pre-conv inputs just committed; keeps the last kernel - 1."""
-        window = self.conv_states[layer_idx]
-        if window is None:
-            window = conv_inputs.new_zeros(*conv_inputs.shape[:2], self.conv_kernel_size - 1)
-        kept = torch.cat([window, conv_inputs], dim=-1)[:, :, -(self.conv_kernel_size - 1) :]
-        if self.static and self.conv_states[layer_idx] is not None:
-            self.conv_states[layer_idx].copy_(kept)
-            self.recurrent_states[layer_idx].copy_(recurrent_state)
-            return
-        self.conv_states[layer_idx] = kept.clone()  # a view would keep every committed input of the layer alive
-        self.recurrent_states[layer_idx] = recurrent_state.clone() if self.static else recurrent_state
-
-    def advance(self, num_tokens: int) -> None:
-        self._seen_tokens += num_tokens
-        if self.static:
-            self.length += num_tokens
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every committed tensor of the cache (attention entries up to the committed length)."""
-        length = self._seen_tokens
-        attention = [t[:, :, :length] for t in self.key_cache + self.value_cache if t is not None]
-        return attention + [t for t in self.conv_states + self.recurrent_states if t is not None]
-
-    def copy(self) -> CloverCache:
-        new = CloverCache.__new__(CloverCache)
-        new.__dict__.update(self.__dict__)
-        for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
-            setattr(new, name, [None if t is None else t.clone() for t in getattr(self, name)])
-        if self.length is not None:
-            new.length = self.length.clone()
-        return new
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keeps only the given batch rows (drops finished sequences)."""
-        for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):
-            setattr(self, name, [None if t is None else t[rows.to(t.device)] for t in getattr(self, name)])
-
-    def __len__(self) -> int:
-        return len(self.layer_types)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -873,43 +759,23 @@ class CloverModel(CloverPreTrainedModel):
             the output covers the clean tokens then the noisy ones.
         """
         past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None:
-            if not torch.compiler.is_compiling():
-                self._check_token_ids(input_ids)
-            inputs_embeds = self.embed_tokens(input_ids)
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
         batch_size, seq_len = inputs_embeds.shape[:2]
-        device = inputs_embeds.device
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None and noisy_input_ids is None and not self.training:
             past_key_values = CloverCache(self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if commit_length is None:
-            commit_length = seq_len if use_cache else 0
         if past_key_values is None:
             commit_length = 0
-
-        if attention_mask is not None and attention_mask.shape[-1] != past_length + seq_len:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and the "
-                f"input {seq_len}: pass a mask over the committed tokens and the new ones ({past_length + seq_len})."
-            )
+        elif commit_length is None:
+            commit_length = seq_len if use_cache else 0
+        self._check_attention_mask(attention_mask, past_key_values, seq_len)
+        past_length = past_key_values.length if past_key_values is not None else 0  # a 0-d tensor when static
+        columns = past_length + torch.arange(seq_len, device=inputs_embeds.device)  # this forward's cache columns
         if position_ids is None:
-            position_ids = default_position_ids(attention_mask, past_length, seq_len, batch_size, device)
+            position_ids = default_position_ids(attention_mask, columns, batch_size)
+        padding_mask = None if attention_mask is None else attention_mask[:, columns]
         static = past_key_values is not None and past_key_values.static
-        # One block over the whole forward, no padding, no unwritten static-cache keys: every query sees every key.
-        sees_everything = (
-            isinstance(block_ids, int) and attention_mask is None and noisy_input_ids is None and not static
-        )
-        if isinstance(block_ids, int):
-            if block_ids < 0:
-                raise ValueError(f"An int block_ids names the block of the whole forward: got {block_ids}, use >= 0.")
-            block_ids = torch.full((batch_size, seq_len), block_ids, dtype=torch.long, device=device)
-        if block_ids is None:
-            block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
-        padding_mask = attention_mask[:, past_length:] if attention_mask is not None else None
-        if padding_mask is not None and bool(padding_mask.all()):
+        if padding_mask is not None and not static and bool(padding_mask.all()):
             padding_mask = None  # nothing to zero out: skip the multiply
 
         layout = None
@@ -921,20 +787,60 @@ class CloverModel(CloverPreTrainedModel):
             if padding_mask is not None:
                 padding_mask = F.pad(padding_mask, (0, noisy_input_ids.shape[1]), value=1)
         else:
-            key_length = past_key_values.max_length if static else None
-            mask = None if sees_everything else block_causal_mask(block_ids, attention_mask, past_length, key_length)
+            mask = self._block_mask(block_ids, attention_mask, past_key_values, batch_size, seq_len, columns.device)
 
         hidden_states, all_router_logits = self._decoder_stack(
             inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout
         )
         if past_key_values is not None:
             past_key_values.advance(commit_length)
-
         return CloverModelOutput(
             last_hidden_state=hidden_states,
             cache=past_key_values if use_cache or commit_length else None,
             router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
+
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is not None:
+            return inputs_embeds
+        if not torch.compiler.is_compiling():
+            self._check_token_ids(input_ids)
+        return self.embed_tokens(input_ids)
+
+    def _check_attention_mask(self, attention_mask, cache: CloverCache | None, seq_len: int) -> None:
+        """The mask covers the committed tokens and this forward's; with a static cache, the whole buffer."""
+        if attention_mask is None:
+            return
+        if cache is not None and cache.static:
+            if attention_mask.shape[-1] != cache.max_length:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} tokens; with a static cache it must cover the "
+                    f"whole buffer of {cache.max_length} (pad it with zeros)."
+                )
+            return
+        past_length = cache.length if cache is not None else 0
+        if attention_mask.shape[-1] != past_length + seq_len:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens but the cache holds {past_length} and the "
+                f"input {seq_len}: pass a mask over the committed tokens and the new ones ({past_length + seq_len})."
+            )
+
+    def _block_mask(self, block_ids, attention_mask, cache, batch_size, seq_len, device) -> torch.Tensor | None:
+        """The block-causal mask of this forward, or None when every query sees every key (an int `block_ids`, no
+        padding, no unwritten static-cache keys), so attention runs without a mask."""
+        static = cache is not None and cache.static
+        if isinstance(block_ids, int):
+            if block_ids < 0:
+                raise ValueError(f"An int block_ids names the block of the whole forward: got {block_ids}, use >= 0.")
+            if attention_mask is None and not static:
+                return None
+            block_ids = torch.full((batch_size, seq_len), block_ids, dtype=torch.long, device=device)
+        elif block_ids is None:
+            block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
+        past_length = cache.length if cache is not None else 0
+        return block_causal_mask(block_ids, attention_mask, past_length, cache.max_length if static else None)
 
     def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout):
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -946,29 +852,6 @@ class CloverModel(CloverPreTrainedModel):
             all_router_logits.append(router_logits)
         return self.norm(hidden_states), all_router_logits
 
-    def static_decoding_forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.LongTensor,
-        block_ids: torch.LongTensor,
-        cache: CloverCache,
-        commit_length: int,
-    ) -> torch.Tensor:
-        """A decoding forward on a static cache whose shapes and Python values do not change from one step or block
-        to the next, for `torch.compile`: the committed length is read from `cache.length` (a tensor), the keys are
-        the cache's whole buffer under the mask, the inputs are never padding. The first `commit_length` tokens are
-        written into the cache, but the caller advances it (`cache.advance(commit_length)`) outside the compiled
-        region. Returns the final hidden states (batch, seq, hidden).
-
-        `attention_mask` (batch, <= cache.max_length) marks the prompt's real tokens; keys past it count as padding.
-        """
-        if not cache.static:
-            raise ValueError("static_decoding_forward needs a CloverCache built with static=True and a max_length.")
-        mask = block_causal_mask(block_ids, attention_mask, cache.length, cache.max_length)
-        hidden_states, _ = self._decoder_stack(inputs_embeds, position_ids, mask, None, cache, commit_length, None)
-        return hidden_states
-
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         # One host sync per forward; an out-of-range id would otherwise index garbage or crash the device.
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
@@ -977,30 +860,32 @@ class CloverModel(CloverPreTrainedModel):
                 f"{int(input_ids.min())}, max {int(input_ids.max())}): was the text encoded with another tokenizer?"
             )
 
-    def _training_layout(self, block_ids: torch.Tensor, noisy_input_ids: torch.Tensor) -> TrainingLayout:
+    def _training_layout(self, block_ids, noisy_input_ids: torch.Tensor) -> TrainingLayout:
+        """The noisy copies cover the answer: the last `noisy_input_ids.shape[1]` columns, all in blocks."""
         block_size = self.config.block_size
-        in_answer = (block_ids >= 0).any(dim=0)
-        answer_start = int(in_answer.float().argmax())
-        answer_length = block_ids.shape[1] - answer_start
-        if not bool(in_answer.any()) or not bool((block_ids[:, answer_start:] >= 0).all()):
+        answer_length = noisy_input_ids.shape[1]
+        answer_start = block_ids.shape[1] - answer_length if isinstance(block_ids, torch.Tensor) else -1
+        if (
+            answer_start < 0
+            or answer_length % block_size
+            or not bool((block_ids[:, answer_start:] >= 0).all())
+            or not bool((block_ids[:, :answer_start] < 0).all())
+        ):
             raise ValueError(
-                "block_ids must mark the answer blocks from the same column to the end of every row (left-pad the "
-                "prompts and right-pad the answers to whole blocks, as CloverDataCollator does)."
-            )
-        if answer_length % block_size or noisy_input_ids.shape[1] != answer_length:
-            raise ValueError(
-                f"The answer region has {answer_length} tokens and noisy_input_ids {noisy_input_ids.shape[1]}: both "
-                f"must be the same whole number of blocks of {block_size}."
+                f"noisy_input_ids ({answer_length} columns) must cover the answer blocks: the last columns of every "
+                f"row, marked by block_ids >= 0, a whole number of blocks of {block_size} (left-pad the prompts and "
+                "right-pad the answers to whole blocks, as CloverDataCollator does)."
             )
         return TrainingLayout(block_ids.shape[1], answer_start, block_size)
 
 
-def default_position_ids(attention_mask, past_length, seq_len, batch_size, device) -> torch.Tensor:
-    """Positions count real tokens only, so a left-padded row gets the positions it would have alone."""
+def default_position_ids(attention_mask, columns: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded row gets the positions it would have alone. `columns`:
+    the cache columns of this forward's tokens."""
     if attention_mask is None:
-        return (torch.arange(seq_len, device=device) + past_length).expand(batch_size, -1)
+        return columns.expand(batch_size, -1)
     positions = attention_mask.long().cumsum(-1) - 1
-    return positions.clamp(min=0)[:, past_length:]
+    return positions.clamp(min=0)[:, columns]
 
 
 @dataclass
@@ -1065,6 +950,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         commit_length: int | None = None,
         noise_mask: torch.BoolTensor | None = None,
         noise_level: torch.FloatTensor | None = None,
+        label_weights: torch.FloatTensor | None = None,
         logits_to_keep: int = 0,
         output_router_logits: bool | None = None,
         **kwargs,
@@ -1074,8 +960,11 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             Supervised answer tokens (-100 elsewhere). With labels the forward returns the block-diffusion loss:
             answer blocks (`block_ids >= 0`) are noised by `noise_mask`/`noise_level` (drawn here from torch's
             generator when not given; `CloverDataCollator` draws them from a seeded one).
-        noise_mask (`torch.BoolTensor` of shape `(batch, seq_len)`, *optional*): which supervised tokens are masked.
+        noise_mask (`torch.BoolTensor` of shape `(batch, seq_len)`, *optional*): which answer tokens are `<|mask|>` in
+            the noisy copy (the loss scores the supervised ones).
         noise_level (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): the t of each token's block.
+        label_weights (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): per-token loss weights (1 for
+            every supervised token when not given; `CloverDataCollator` weights the padding after EOS down).
         logits_to_keep (`int`): if > 0, compute logits only for the last `logits_to_keep` positions.
         """
         past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
@@ -1084,7 +973,14 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         )
         if labels is not None:
             return self._diffusion_loss(
-                input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, output_router_logits
+                input_ids,
+                attention_mask,
+                labels,
+                block_ids,
+                noise_mask,
+                noise_level,
+                label_weights,
+                output_router_logits,
             )
         outputs = self.model(
             input_ids=input_ids,
@@ -1106,8 +1002,44 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    def _diffusion_loss(self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, with_aux):
-        """SPEC training objective: CE on masked answer tokens weighted 1/t, over the number of supervised tokens."""
+    def decode_step(self, input_ids: torch.LongTensor, *, state: CloverDecodingState, commit_length: int = 0):
+        """One forward of block-diffusion decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
+
+        `input_ids` (batch, n) are the tokens right after the cache: one block to denoise (or, with `commit_length =
+        n`, to commit), or a finished block followed by the next block's canvas, the first `commit_length` tokens
+        entering the cache in the same forward. This is where a decoding forward's mask is decided: a forward that
+        is one block of an unpadded batch sees the cache and itself, so it attends with no mask at all. Returns the
+        logits of the last `block_size` tokens (batch, block, vocab); the cache advances by `commit_length`.
+        """
+        cache, block_size = state.cache, self.config.block_size
+        num_tokens = input_ids.shape[1]
+        offset = cache.length - state.prompt_length  # generated tokens already committed (a 0-d tensor when static)
+        position_ids = state.next_position + offset + torch.arange(num_tokens, device=input_ids.device)
+        if not cache.static and not state.padded and commit_length in (0, num_tokens):
+            attention_mask, block_ids = None, 0
+        else:
+            attention_mask = (
+                state.attention_mask if cache.static else state.attention_mask[:, : cache.length + num_tokens]
+            )
+            block_ids = (torch.arange(num_tokens, device=input_ids.device) // block_size).expand_as(input_ids)
+        outputs = state.forward(
+            # Embedded here: ids the model wrote itself need no range check (a host sync per forward).
+            inputs_embeds=self.model.embed_tokens(input_ids),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            block_ids=block_ids,
+            commit_length=commit_length,
+            use_cache=True,
+            logits_to_keep=block_size,
+        )
+        return outputs.logits
+
+    def _diffusion_loss(
+        self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, label_weights, with_aux
+    ):
+        """The training objective (docs/DESIGN.md): CE on the masked supervised tokens weighted 1/t (and by
+        `label_weights`), over the (weighted) number of supervised tokens."""
         if input_ids is None or not isinstance(block_ids, torch.Tensor):
             raise ValueError(
                 "The block-diffusion loss needs input_ids and block_ids as a tensor (answer blocks >= 0); "
@@ -1116,29 +1048,45 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         supervised = labels != -100
         if noise_mask is None or noise_level is None:
             noise_mask, noise_level = draw_block_noise(supervised, block_ids, self.config.block_size)
-        noise_mask = noise_mask & supervised
+        if label_weights is None:
+            label_weights = supervised.float()
         noisy = torch.where(noise_mask, torch.full_like(input_ids, self.config.mask_token_id), input_ids)
-        layout_start = int((block_ids >= 0).any(dim=0).float().argmax())
+        answer_start = int((block_ids >= 0).any(dim=0).float().argmax())
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             block_ids=block_ids,
-            noisy_input_ids=noisy[:, layout_start:],
+            noisy_input_ids=noisy[:, answer_start:],
             use_cache=False,
             output_router_logits=with_aux,
         )
         noisy_hidden = outputs.last_hidden_state[:, input_ids.shape[1] :]  # (batch, answer_len, hidden)
-        masked = noise_mask[:, layout_start:]
-        logits = self.lm_head(noisy_hidden[masked])  # (num_masked, vocab): only where the loss looks
-        token_loss = F.cross_entropy(logits.float(), labels[:, layout_start:][masked], reduction="none")
-        # 1/t turns the masked-token CE into the ELBO weight; dividing by all supervised tokens keeps the scale
-        # independent of how many happened to be masked.
-        loss = (token_loss / noise_level[:, layout_start:][masked]).sum() / supervised.sum().clamp(min=1)
+        scored = (noise_mask & supervised)[:, answer_start:]  # masked in the noisy copy, and supervised
+        logits = self.lm_head(noisy_hidden[scored])  # (num_scored, vocab): only where the loss looks
+        token_loss = F.cross_entropy(logits.float(), labels[:, answer_start:][scored], reduction="none")
+        weights = label_weights[:, answer_start:][scored] / noise_level[:, answer_start:][scored]
+        # 1/t turns the masked-token CE into the ELBO weight; dividing by all supervised tokens (weighted) keeps the
+        # scale independent of how many happened to be masked.
+        loss = (token_loss * weights).sum() / label_weights.masked_fill(~supervised, 0).sum().clamp(min=1e-6)
+        if self.config.causal_loss_weight:
+            loss = loss + self.config.causal_loss_weight * self._causal_loss(input_ids, attention_mask, labels, label_weights)  # fmt: skip
         aux_loss = None
         if with_aux:
             aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok)  # fmt: skip
             loss = loss + self.config.router_aux_loss_coef * aux_loss
         return CloverOutput(loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits)
+
+    def _causal_loss(self, input_ids, attention_mask, labels, label_weights) -> torch.Tensor:
+        """Next-token CE of the supervised tokens in a causal forward of the clean sequence (no block_ids: the
+        autoregressive base's forward), weighted like the diffusion loss: it keeps a converted base's AR ability."""
+        hidden_states = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        targets, weights = labels[:, 1:], label_weights[:, 1:]
+        scored = targets != -100
+        logits = self.lm_head(hidden_states[:, :-1][scored])  # (num_supervised, vocab)
+        token_loss = F.cross_entropy(logits.float(), targets[scored], reduction="none")
+        return (token_loss * weights[scored]).sum() / weights[scored].sum().clamp(min=1e-6)
 
 
 def draw_block_noise(
