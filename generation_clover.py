@@ -286,11 +286,8 @@ class CloverGenerationMixin(GenerationMixin):
             row_done = finished | torch.isin(canvas, eos_ids).any(dim=-1)
             if len(stopping_criteria):
                 row_done = row_done | stopping_criteria(sequences[:, : input_ids.shape[1] + max_new_tokens], None)
-            if streamer is not None:
-                start = block * config.block_size
-                streamer.put(
-                    _visible_tokens(canvas[0], eos_ids, max(min(config.block_size, max_new_tokens - start), 0)).cpu()
-                )
+            if streamer is not None:  # the reader sees the block up to the budget, through EOS
+                streamer.put(_visible_tokens(canvas[0], eos_ids, max_new_tokens - block * config.block_size).cpu())
             finished = row_done
             if bool(finished.all()) or block == num_blocks - 1:
                 break
@@ -566,9 +563,9 @@ def _pad_after_eos(canvas, finished, eos_ids, pad_id) -> torch.Tensor:
     return torch.where(after_eos | finished[:, None], torch.full_like(canvas, pad_id), canvas)
 
 
-def _visible_tokens(row: torch.Tensor, eos_ids, length: int) -> torch.Tensor:
-    """The tokens of a committed block a reader should see: its first `length` (the budget), through the first EOS."""
-    row = row[:length]
+def _visible_tokens(row: torch.Tensor, eos_ids, budget_left: int) -> torch.Tensor:
+    """The tokens of a committed block a reader should see: within the budget, through the first EOS."""
+    row = row[:budget_left]
     return row[: int(first_eos_index(row, eos_ids)) + 1]
 
 

@@ -1,10 +1,14 @@
-"""Shared fixtures: a tiny Clover (vocab 128, hidden 64, 4 layers) and the `--runslow` switch."""
+"""Shared fixtures and helpers: a tiny Clover (vocab 128, hidden 64, 4 layers), random prompt ids, the code files
+a checkpoint carries, and the `--runslow` switch. Test modules import the helpers with `from conftest import ...`."""
 
 import pytest
 import torch
 
 from clover.configuration_clover import CloverConfig
+from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
+
+__all__ = ["CODE_FILES", "random_ids", "spy_experts_kernel"]
 
 TINY_FIELDS = dict(
     vocab_size=128,
@@ -29,6 +33,11 @@ TINY_FIELDS = dict(
     block_size=8,
     mask_token_id=127,
 )
+
+
+def random_ids(*shape, seed=0) -> torch.Tensor:
+    """Token ids of the tiny config in [1, 126): no pad (0), EOS (126) or mask (127)."""
+    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _tiny_config(**overrides) -> CloverConfig:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -28,11 +29,6 @@ from clover.modeling_clover import CloverCache, CloverForBlockDiffusion
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16  # two blocks of 8
-
-
-def random_ids(*shape, seed=0):
-    """Ids in [1, 126): no pad (0), EOS (126) or mask (127)."""
-    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
 
 
 # ------------------------------------------------------------------------------------------------ memory arithmetic

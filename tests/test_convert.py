@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_FIELDS, spy_experts_kernel
+from conftest import CODE_FILES, TINY_FIELDS, spy_experts_kernel
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
@@ -20,7 +20,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from clover.conversion_clover import CODE_FILES, convert_qwen3_5_moe
+from clover.conversion_clover import convert_qwen3_5_moe
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_ID = 250  # a free id in the tiny vocabulary of 256

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import random_ids
 from transformers import LogitsProcessorList
 
 from clover.generation_clover import (
@@ -20,11 +21,6 @@ from clover.modeling_clover import CloverCache, CloverForBlockDiffusion
 BLOCK, MASK_ID, PAD_ID, EOS_ID = 8, 127, 0, 126
 MAX_NEW_TOKENS = 30  # 3 whole blocks of 8 and a partial one of 6
 LOGIT_SCALE = 20.0  # spreads the tiny model's probabilities: some steps reach 0.3 at several positions, not all
-
-
-def random_ids(*shape, seed=0):
-    """Ids in [1, 126): no pad (0), EOS (126) or mask (127)."""
-    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import spy_experts_kernel
+from conftest import random_ids, spy_experts_kernel
 from transformers import PretrainedConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -21,11 +21,6 @@ from clover.modeling_clover import (
 
 BLOCK = 8
 MASK_ID = 127
-
-
-def random_ids(*shape, seed=0):
-    """Ids in [1, 126): no pad (0), EOS (126) or mask (127)."""
-    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
 
 
 # ------------------------------------------------------------------------------------------------ parity

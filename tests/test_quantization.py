@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import random_ids
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -24,10 +25,6 @@ SKIP_MODULES = ["lm_head", "shared_expert_gate", "in_proj_a", "in_proj_b"]
 # projection of an untrained model), int8 0.026.
 EXPERTS_ONLY_BOUND = {"nf4": 0.06, "int8": 0.03}
 WHOLE_MODEL_BOUND = {"nf4": 0.35, "int8": 0.05}
-
-
-def random_ids(*shape, seed=0):
-    return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def relative_drift(logits: torch.Tensor, reference: torch.Tensor) -> float:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CODE_FILES
 
-from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,13 +28,14 @@ MAX_NEW_TOKENS = 16  # two blocks of the tiny config's 8
 # must come from the checkpoint's own code files.
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     sys.modules["clover"] = None
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     path, resaved, prompt, max_new_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    package_dir = sys.argv[5]
     saved = load_file(f"{path}/model.safetensors")
 
     def same(state_dict, prefix=""):
@@ -52,7 +53,10 @@ REMOTE_SCRIPT = textwrap.dedent(
     print(json.dumps({
         "classes": {name: [type(obj).__name__, type(obj).__module__] for name, obj in
                     [("AutoConfig", config), ("AutoModel", base), ("AutoModelForCausalLM", model)]},
-        "clover_importable": sys.modules["clover"] is not None,
+        "loaded_from_the_package": sorted(  # the package's modules are the .py files at the repository root
+            name for name, module in sys.modules.items()
+            if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == package_dir
+        ),
         "base_loads_the_saved_weights": same(base.state_dict(), "model."),
         "model_loads_the_saved_weights": same(model.state_dict()),
         "reload_is_bit_exact": same(reloaded.state_dict()) and all(
@@ -84,7 +88,7 @@ def remote(saved, tmp_path_factory):
     resaved = work / "resaved"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(work / "modules")}
     env.pop("PYTHONPATH", None)
-    command = [sys.executable, "-I", "-c", REMOTE_SCRIPT, str(directory), str(resaved), json.dumps(PROMPT), str(MAX_NEW_TOKENS)]  # fmt: skip
+    command = [sys.executable, "-I", "-c", REMOTE_SCRIPT, str(directory), str(resaved), json.dumps(PROMPT), str(MAX_NEW_TOKENS), str(REPO)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=work, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), resaved
@@ -104,7 +108,7 @@ def test_saved_directory_carries_the_code_files_and_auto_map(saved):
 
 def test_fresh_process_loads_every_auto_class_from_the_checkpoint_code(remote):
     result, _ = remote
-    assert not result["clover_importable"]
+    assert result["loaded_from_the_package"] == []  # every class came from the checkpoint's own files
     expected = {"AutoConfig": "CloverConfig", "AutoModel": "CloverModel", "AutoModelForCausalLM": "CloverForBlockDiffusion"}  # fmt: skip
     for auto_class, (class_name, module) in result["classes"].items():
         assert class_name == expected[auto_class]

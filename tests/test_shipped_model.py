@@ -4,6 +4,7 @@ entry points users have (pipelines, scripts/generate.py, scripts/train.py with L
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import json
 import os
 import subprocess
@@ -12,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-from clover.conversion_clover import CODE_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -68,6 +68,21 @@ def test_shipped_model_answers_right_at_three_tokens_per_forward(model, tokenize
     reply = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     assert reply.strip() == "4821 + 377 = 5198", reply
     assert float(out.tokens_per_forward[0]) >= 3, out.tokens_per_forward
+
+
+def test_decoding_is_the_recorded_one(model):
+    # tests/fixtures/shipped_decoding.json holds what this checkpoint decoded when it was recorded (thresholds 1.0,
+    # 0.95 and 0.7, a padded batch, fused and unfused commits): the decode path may be reorganised, never changed.
+    record = json.loads((REPO / "tests" / "fixtures" / "shipped_decoding.json").read_text())
+    assert record["checkpoint_sha256"] == hashlib.sha256((SHIPPED / "model.safetensors").read_bytes()).hexdigest(), (
+        "the shipped model changed: rerun tests/fixtures/record_shipped_decoding.py"
+    )
+    batch = {key: torch.tensor(record[key]) for key in ("input_ids", "attention_mask")}
+    for case in record["results"]:
+        settings = {key: case[key] for key in ("threshold", "fuse_commit", "max_new_tokens")}
+        out = model.generate(**batch, do_sample=False, return_dict_in_generate=True, **settings)
+        assert out.sequences.tolist() == case["sequences"], settings
+        assert out.num_forward_passes.tolist() == case["forwards"], settings
 
 
 def test_pipeline_plain_prompt_matches_generate_and_full_text(model, tokenizer):

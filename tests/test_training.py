@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 from clover.training_clover import CloverDataCollator
 
@@ -28,11 +28,6 @@ DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-d
 WORDS = (
     "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
 )
-
-
-def needs_demo(test):
-    """Marks tests on the shipped demo checkpoint; it is part of the repository, so a missing one fails them."""
-    return test
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -344,7 +339,6 @@ def repeat_task(tmp_path_factory, train_script, demo_tokenizer):
     return SimpleNamespace(root=root, data=data, before=before, merged=merged)
 
 
-@needs_demo
 def test_lora_targets_the_fused_expert_parameters(train_script, demo_tokenizer):
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
@@ -461,7 +455,6 @@ def stand_in_hub(tmp_path, monkeypatch):
     return hub
 
 
-@needs_demo
 def test_push_to_hub_uploads_a_loadable_remote_code_checkpoint(train_script, stand_in_hub, tmp_path):
     data = _write_jsonl(tmp_path / "small.jsonl", [_repeat_record(word) for word in WORDS[:8]])
     output = tmp_path / "out"
@@ -499,7 +492,6 @@ BAD_LINE_3 = {
 }
 
 
-@needs_demo
 @pytest.mark.parametrize("case", list(BAD_LINE_3))
 def test_bad_training_data_exits_naming_the_line(case, train_script, tmp_path):
     bad, extra, message = BAD_LINE_3[case]
@@ -529,7 +521,6 @@ def test_existing_output_is_refused_without_force(train_script, tmp_path):
     assert {p.name: p.read_bytes() for p in output.iterdir()} == old
 
 
-@needs_demo
 def test_failed_run_leaves_the_previous_output_untouched(train_script, tmp_path, monkeypatch):
     output = tmp_path / "out"
     old = _old_output(output)
