@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from clover.cli_clover import checkpoint_dir, run_main
 from clover.demo_tasks import FAMILIES, encode_example, generate_examples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +42,7 @@ def model_label(model: str) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else model
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--prompts", type=int, default=8, help="chat prompts (2 per task family)")
@@ -51,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed denoising steps per prompt length")
     parser.add_argument("--compile", action="store_true", help="also time generate(compile=True)")
     parser.add_argument("--output", default="bench_results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def autoregressive_twin(model):
@@ -206,10 +207,10 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_grad_enabled(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     twin = autoregressive_twin(model)
     examples = generate_examples(args.prompts, seed=777, families=FAMILIES)
@@ -258,4 +259,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

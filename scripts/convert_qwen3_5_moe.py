@@ -9,22 +9,12 @@ The output loads with `AutoModelForCausalLM.from_pretrained(output, trust_remote
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
-try:
-    from clover.conversion_clover import DEFAULT_MASK_TOKEN_ID, convert_qwen3_5_moe
-except ImportError:  # a checkout that is not pip-installed: load the repository root as the `clover` package
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "clover", root / "__init__.py", submodule_search_locations=[str(root)]
-    )
-    sys.modules["clover"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["clover"])
-    from clover.conversion_clover import DEFAULT_MASK_TOKEN_ID, convert_qwen3_5_moe
+from clover.cli_clover import run_main
+from clover.conversion_clover import DEFAULT_MASK_TOKEN_ID, convert_qwen3_5_moe
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -41,19 +31,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing, non-empty output directory")
     args = parser.parse_args(argv)
 
-    try:
-        report = convert_qwen3_5_moe(
-            args.input,
-            args.output,
-            dtype=DTYPES[args.dtype],
-            mask_token_id=args.mask_token_id,
-            max_shard_size=args.max_shard_size,
-            force=args.force,
-        )
-    except ValueError as error:
-        sys.exit(f"error: {error}")
+    report = convert_qwen3_5_moe(
+        args.input,
+        args.output,
+        dtype=DTYPES[args.dtype],
+        mask_token_id=args.mask_token_id,
+        max_shard_size=args.max_shard_size,
+        force=args.force,
+    )
     print(report.summary())
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from clover.cli_clover import checkpoint_dir, run_main
 from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_examples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +35,7 @@ def model_label(model: str) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else model
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--per-family", type=int, default=50)
@@ -45,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--output", default="eval_results")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def is_clover(model) -> bool:
@@ -131,10 +132,12 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.per_family < 1:
+        raise ValueError(f"--per-family ({args.per_family}) must be at least 1.")
     torch.set_grad_enabled(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}
@@ -160,4 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

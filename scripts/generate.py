@@ -10,17 +10,18 @@ Thinking is shown apart from the answer; the last line gives new tokens, forward
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+from clover.cli_clover import checkpoint_dir, run_main
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "clover-tiny-demo"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default="What is 48213 + 9377?")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a Clover checkpoint directory")
@@ -31,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     parser.add_argument("--do-sample", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.7)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 class ThinkingStreamer(TextStreamer):
@@ -54,10 +55,14 @@ class ThinkingStreamer(TextStreamer):
             print("\033[0m" if self.in_thinking else "", flush=True)
 
 
-def main() -> None:
-    args = parse_args()
-    if not Path(args.model).is_dir():
-        sys.exit(f"No checkpoint at {args.model}: pass --model DIR (a Clover checkpoint directory).")
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.prompt.strip():
+        raise ValueError(
+            'The prompt is empty: pass the text to answer, e.g. python scripts/generate.py "What is 2 + 2?"'
+        )
+    checkpoint_dir(args.model)
+    torch.set_grad_enabled(False)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, device_map="auto")
     thinking = not args.no_thinking and not args.raw
@@ -92,5 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()
+    run_main(main)

@@ -10,25 +10,14 @@ Counted from the config alone (see `clover.memory_clover` for what is quantized 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-try:
-    from clover.configuration_clover import CloverConfig
-    from clover.memory_clover import QUANTIZATIONS, estimate_memory, format_estimate
-except ImportError:  # a checkout that is not pip-installed: load the repository root as the `clover` package
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "clover", root / "__init__.py", submodule_search_locations=[str(root)]
-    )
-    sys.modules["clover"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["clover"])
-    from clover.configuration_clover import CloverConfig
-    from clover.memory_clover import QUANTIZATIONS, estimate_memory, format_estimate
+from clover.cli_clover import checkpoint_dir, run_main
+from clover.configuration_clover import CloverConfig
+from clover.memory_clover import QUANTIZATIONS, estimate_memory, format_estimate
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -46,15 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.model is not None:
-        config = CloverConfig.from_pretrained(args.model)
+        config = CloverConfig.from_pretrained(checkpoint_dir(args.model))
     elif args.config.upper() == "35B":
         config = CloverConfig()
-    else:
+    elif Path(args.config).is_file():
         config = CloverConfig.from_json_file(args.config)
-    try:
-        estimate = estimate_memory(config, args.context, args.batch, DTYPES[args.dtype], args.quantization)
-    except ValueError as error:
-        sys.exit(f"error: {error}")
+    else:
+        raise ValueError(f"--config {args.config!r} is neither '35B' nor a config.json file.")
+    estimate = estimate_memory(config, args.context, args.batch, DTYPES[args.dtype], args.quantization)
     print(format_estimate(estimate))
     if args.json is not None:
         figures = {
@@ -75,4 +63,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,20 +12,20 @@ import shutil
 import sys
 from pathlib import Path
 
+from clover.cli_clover import checkpoint_dir, run_main
 from clover.conversion_clover import CODE_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main(argv: list[str]) -> None:
-    targets = [Path(a) for a in argv] or [REPO / "models" / "clover-tiny-demo"]
+def main(argv: list[str] | None = None) -> None:
+    targets = [Path(a) for a in (sys.argv[1:] if argv is None else argv)] or [REPO / "models" / "clover-tiny-demo"]
     for target in targets:
-        if not (target / "config.json").is_file():
-            sys.exit(f"{target} is not a checkpoint directory (no config.json).")
+        checkpoint_dir(target, flag=None)
         for name in CODE_FILES:
             shutil.copyfile(REPO / name, target / name)
         print(f"updated {target}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

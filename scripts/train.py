@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from clover.cli_clover import checkpoint_dir, run_main
 from clover.training_clover import (
     CloverDataCollator,
     encode_chat_example,
@@ -123,7 +123,9 @@ def resume_point(args) -> str | None:
     if args.resume_from_checkpoint:
         path = Path(args.resume_from_checkpoint)
         if not (path / "trainer_state.json").is_file():
-            sys.exit(f"No Trainer checkpoint at {path} (it has no trainer_state.json): pass a checkpoint-N directory.")
+            raise ValueError(
+                f"No Trainer checkpoint at {path} (no trainer_state.json there): pass a checkpoint-N directory."
+            )
         return str(path)
     if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
         return get_last_checkpoint(args.checkpoint_dir)
@@ -141,7 +143,7 @@ def check_checkpoint_matches(checkpoint: str, model) -> None:
         k for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size") if config.get(k) != ours.get(k)
     ]
     if differs:
-        sys.exit(
+        raise ValueError(
             f"{checkpoint} is a checkpoint of another model ({', '.join(f'{k}={config.get(k)!r}' for k in differs)} "
             f"where --model has {', '.join(f'{k}={ours.get(k)!r}' for k in differs)}): resume with the model it was "
             "trained from, or point --checkpoint-dir elsewhere."
@@ -162,12 +164,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     output = Path(args.output)
     if output.exists() and any(output.iterdir()) and not args.force:
-        sys.exit(f"{output} exists and is not empty; pass --force to replace it.")
+        raise ValueError(f"{output} exists and is not empty; pass --force to replace it.")
     if args.threads:
         torch.set_num_threads(args.threads)
     set_seed(args.seed)  # before the LoRA init, which Trainer's own seeding comes too late for
     # trust_remote_code: the config is remote code, and without it AutoTokenizer asks on stdin before loading.
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     if args.causal_loss_weight is not None:
         model.config.causal_loss_weight = args.causal_loss_weight
@@ -176,7 +178,9 @@ def main(argv=None) -> None:
         train_set = load_examples(args.data, tokenizer, max_length)
         eval_set = load_examples(args.eval_data, tokenizer, max_length) if args.eval_data else None
     except ValueError as error:
-        sys.exit(f"Bad training data: {error}")
+        raise ValueError(f"Bad training data: {error}") from None
+    except FileNotFoundError as error:
+        raise ValueError(f"No such data file: {error.filename}") from None
     if eval_set is None and len(train_set) >= 20:
         random.Random(args.seed).shuffle(train_set)
         cut = max(1, len(train_set) // 20)
@@ -261,4 +265,4 @@ def _train_and_save(args, model, tokenizer, train_set, eval_set, output: Path, w
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
+from clover.cli_clover import run_main
 from clover.demo_tasks import FAMILIES, build_demo_tokenizer, generate_examples, write_chat_jsonl
 from clover.training_clover import CausalChatCollator, encode_chat_example, read_chat_jsonl, token_budget_batches
 
@@ -123,7 +124,7 @@ class Run:
             record = json.loads(self.path.read_text())
             if record["settings"] != self.settings:
                 changed = {k: (record["settings"].get(k), v) for k, v in self.settings.items() if record["settings"].get(k) != v}  # fmt: skip
-                raise SystemExit(
+                raise ValueError(
                     f"{self.work} holds a run with other settings ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}); "
                     "its checkpoints would not fit. Rerun with its settings, or pass another --work."
                 )
@@ -147,7 +148,7 @@ class Run:
 def architecture(args) -> dict:
     kinds = {"l": "linear_attention", "f": "full_attention"}
     if not args.layers or set(args.layers) - set(kinds):
-        raise SystemExit(f"--layers ({args.layers!r}) must be a string of l (Gated DeltaNet) and f (full attention).")
+        raise ValueError(f"--layers ({args.layers!r}) must be a string of l (Gated DeltaNet) and f (full attention).")
     return {**DEMO_ARCHITECTURE, "hidden_size": args.hidden_size, "num_hidden_layers": len(args.layers),
             "layer_types": [kinds[c] for c in args.layers], "moe_intermediate_size": args.moe_intermediate_size,
             "shared_expert_intermediate_size": args.shared_expert_intermediate_size}  # fmt: skip
@@ -158,7 +159,7 @@ def check_output(path: Path, run: Run, stage: str, force: bool) -> None:
     if path.exists() and any(path.iterdir()) and not force:
         written = run.stages.get(stage, {}).get("output")
         if written != str(path.resolve()):
-            raise SystemExit(f"{path} exists and this run did not write it; pass --force to replace it (it is "
+            raise ValueError(f"{path} exists and this run did not write it; pass --force to replace it (it is "
                              "replaced only once the new model is complete), or choose another output.")  # fmt: skip
 
 
@@ -184,11 +185,11 @@ def check_resume_point(checkpoint: str, expected: dict) -> None:
     """--resume-from must name a Trainer checkpoint of this stage's model."""
     path = Path(checkpoint)
     if not (path / "trainer_state.json").is_file():
-        raise SystemExit(f"--resume-from {path}: no Trainer checkpoint there (no trainer_state.json).")
+        raise ValueError(f"--resume-from {path}: no Trainer checkpoint there (no trainer_state.json).")
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     differs = {k: (config.get(k), v) for k, v in expected.items() if config.get(k) != v}
     if differs:
-        raise SystemExit(
+        raise ValueError(
             f"--resume-from {path} is a checkpoint of another model "
             f"({', '.join(f'{k}={a!r}, this run has {b!r}' for k, (a, b) in differs.items())})."
         )
@@ -362,6 +363,7 @@ def plot_learning_curves(base_log: Path, adapt_log: Path, output_dir: Path) -> N
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    architecture(args)  # a bad --layers is refused before anything is written
     if args.threads:
         torch.set_num_threads(args.threads)
     run = Run(args)
@@ -373,7 +375,7 @@ def main(argv=None) -> None:
             continue
         missing = [s for s in STAGES[: STAGES.index(stage)] if not run.done(s)]
         if missing:
-            raise SystemExit(f"Stage {stage} needs {', '.join(missing)} first: run them (or all stages).")
+            raise ValueError(f"Stage {stage} needs {', '.join(missing)} first: run them (or all stages).")
         if run.done(stage):
             print(f"{stage}: done ({run.stages[stage]['seconds']} s), skipped")
             continue
@@ -391,4 +393,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -441,10 +441,12 @@ class CloverGenerationMixin(GenerationMixin):
                 "set max_new_tokens."
             )
         limit = self.config.max_position_embeddings
-        if prompt_len + max_new_tokens > limit:
+        over = prompt_len + max_new_tokens - limit
+        if over > 0:
+            lower = f" or lower max_new_tokens to {limit - prompt_len}" if prompt_len < limit else ""
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
-                f"{limit} tokens; shorten the prompt or lower max_new_tokens to {max(limit - prompt_len, 0)}."
+                f"The prompt ({prompt_len} tokens) and max_new_tokens ({max_new_tokens}) need {prompt_len + max_new_tokens} "
+                f"tokens, {over} over the context of {limit}: shorten the prompt by {over} tokens{lower}."
             )
         return max_new_tokens
 

@@ -1,0 +1,33 @@
+"""What the command-line scripts share: a user error ends the script like a command-line tool, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+USAGE_ERROR = 2  # the exit status argparse gives a bad argument; a bad input value is the same kind of error
+
+
+def run_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> None:
+    """Runs a script's `main(argv)`; a ValueError (bad arguments or input, raised with the fix in its message)
+    becomes one line on stderr and exit status 2."""
+    try:
+        main(argv)
+    except ValueError as error:
+        message = " ".join(str(error).split())  # one line, whatever the message's own line breaks
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+
+
+def checkpoint_dir(path: str | os.PathLike, flag: str | None = "--model") -> Path:
+    """`path` as a checkpoint directory (it holds a config.json), or a ValueError saying what to pass instead."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        what = f"{flag} DIR, a checkpoint directory" if flag else "a checkpoint directory"
+        raise ValueError(f"No checkpoint at {path} (no config.json there): pass {what}.")
+    return path
+
+
+__all__ = ["USAGE_ERROR", "checkpoint_dir", "run_main"]

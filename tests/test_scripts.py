@@ -1,0 +1,70 @@
+"""Every command-line script fails like a command-line tool: one bad input gives exit status 2 and one line on
+stderr naming the value and the fix, never a traceback. Each case runs the script in a fresh process, stdin closed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "models" / "clover-tiny-demo"
+MISSING = "no-such-checkpoint"
+
+
+# script (and what is wrong) -> (its arguments, given a scratch directory; what the error line must say)
+CASES = {
+    "generate.py: threshold": (lambda tmp: ["hi", "--threshold", "1.5"], r"threshold \(1\.5\) must be in \(0, 1\]"),
+    "generate.py: empty prompt": (lambda tmp: ["  "], r"The prompt is empty: pass the text to answer"),
+    "generate.py: long prompt": (
+        lambda tmp: ["apple " * 1100, "--raw", "--max-new-tokens", "16"],
+        r"The prompt \(\d+ tokens\) and max_new_tokens \(16\) need \d+ tokens, \d+ over the context of 1024: "
+        r"shorten the prompt by \d+ tokens\.$",
+    ),
+    "train.py": (
+        lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out")],
+        r"No checkpoint at no-such-checkpoint \(no config.json there\): pass --model DIR",
+    ),
+    "train_demo.py": (lambda tmp: ["--layers", "lxf", "--work", str(tmp / "work")], r"--layers \('lxf'\) must be"),
+    "eval_demo.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
+    "bench.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
+    "build_tokenizer.py": (lambda tmp: ["--output", str(a_file(tmp))], r"a-file is a file: pass a directory"),
+    "convert_qwen3_5_moe.py": (lambda tmp: ["--input", MISSING, "--output", str(tmp / "c")], r"has no config.json"),
+    "memory.py": (lambda tmp: ["--config", "nope.json"], r"--config 'nope.json' is neither '35B' nor a config.json"),
+    "sync_model_code.py": (lambda tmp: [MISSING], r"No checkpoint at no-such-checkpoint"),
+}
+
+
+def a_file(tmp: Path) -> Path:
+    path = tmp / "a-file"
+    path.write_text("not a directory")
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
+    arguments, message = CASES[case]
+    script = REPO / "scripts" / case.split(":")[0]
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments(tmp_path)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert re.search(message, errors[0]), errors[0]
+
+
+def test_every_script_has_a_case():
+    scripts = {path.name for path in (REPO / "scripts").glob("*.py")}
+    assert scripts == {case.split(":")[0] for case in CASES}
