@@ -57,6 +57,9 @@ class CloverGenerationConfig(GenerationConfig):
         prefill_chunk_size (`int`, defaults to 4096):
             The prompt enters the cache in chunks of this many tokens, so a long prompt never builds a dense
             (prompt x prompt) attention mask (16 GiB at 131,072 tokens).
+        sparse_lm_head (`bool`, defaults to True):
+            Project `lm_head` only onto the positions still to be decided (the same tokens as projecting the whole
+            block, greedy; sampling draws fewer random numbers).
         compile (`bool`, defaults to False):
             Decode on a static cache (allocated once for the whole generation, its length rounded up to a multiple
             of 256) through a `torch.compile`d step that is traced once per input length and replayed for every
@@ -71,6 +74,7 @@ class CloverGenerationConfig(GenerationConfig):
             "mask_token_id": kwargs.pop("mask_token_id", None),
             "fuse_commit": kwargs.pop("fuse_commit", True),
             "compile": kwargs.pop("compile", False),
+            "sparse_lm_head": kwargs.pop("sparse_lm_head", True),
             # GenerationConfig knows this name too (None there means "no chunking"); here it defaults to 4096.
             "prefill_chunk_size": kwargs.pop("prefill_chunk_size", None) or 4096,
         }
@@ -192,7 +196,7 @@ class CloverDecodingState:
             (real prompt tokens counted, so a left-padded row decodes as it would alone).
         prompt_length: columns of the (left-padded) prompt.
         padded: whether any prompt is left-padded.
-        forward: the model's forward, or its `torch.compile`d version (`compile=True`).
+        forward: the decoder's forward (`CloverModel`), or its `torch.compile`d version (`compile=True`).
     """
 
     cache: CloverCache
@@ -314,31 +318,37 @@ class CloverGenerationMixin(GenerationMixin):
         steps = 0
         while bool(to_decode.any()):  # one host sync per step: the loop must know when the block is done
             if pending is None:
-                logits = self.decode_step(canvas, state=state)
+                hidden_states = self.decode_step(canvas, state=state)
             else:  # the previous block enters the cache in this block's first forward
-                logits = self.decode_step(torch.cat([pending, canvas], dim=1), state=state, commit_length=block_size)
+                inputs = torch.cat([pending, canvas], dim=1)
+                hidden_states = self.decode_step(inputs, state=state, commit_length=block_size)
                 pending = None
             forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
             steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
             # Only logits processors read the sequence; don't copy it every step for nothing.
             context = torch.cat([sequences, canvas], dim=1) if len(decoding.processors) else None
-            canvas, committed = self._denoising_step(canvas, logits, to_decode, context, decoding, steps_left)
+            canvas, committed = self._denoising_step(canvas, hidden_states, to_decode, context, decoding, steps_left)
             to_decode = _stop_after_eos(canvas, to_decode & ~committed, decoding.eos_ids)
             steps += 1
             if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
                 decoding.streamer.put_draft(canvas.cpu())
         return canvas, steps, forwards
 
-    def _denoising_step(self, canvas, logits, to_decode, context, decoding: _Decoding, steps_left):
-        """One LowConfidence step. Returns the new canvas and the positions committed in this step."""
+    def _denoising_step(self, canvas, hidden_states, to_decode, context, decoding: _Decoding, steps_left):
+        """One LowConfidence step on the canvas (batch, block) and its final hidden states (batch, block, hidden).
+        Returns the new canvas and the positions committed in this step."""
         config = decoding.config
-        batch_size, block_size, vocab = logits.shape
-        scores = logits.float()
-        scores[..., config.mask_token_id] = -math.inf  # never propose the mask itself
+        # lm_head only where a token is still to be decided (at Clover's 248,320-token vocabulary the full block
+        # costs up to 16 GFLOP a step); the nonzero is a host sync, as the loop's own done-check is.
+        projected = to_decode if config.sparse_lm_head else torch.ones_like(to_decode)
+        rows, columns = projected.nonzero(as_tuple=True)
+        scores = self.lm_head(hidden_states[rows, columns]).float()  # (projected positions, vocab)
+        scores[:, config.mask_token_id] = -math.inf  # never propose the mask itself
         if len(decoding.processors):
-            rows = context.repeat_interleave(block_size, dim=0)  # each position sees its row's sequence
-            scores = decoding.processors(rows, scores.reshape(-1, vocab)).reshape(batch_size, block_size, vocab)
-        candidate, confidence = candidates_and_confidence(scores, config.do_sample, decoding.generator)
+            scores = decoding.processors(context[rows], scores)  # each position sees its row's sequence
+        candidate_at, confidence_at = candidates_and_confidence(scores, config.do_sample, decoding.generator)
+        candidate = canvas.index_put((rows, columns), candidate_at)
+        confidence = torch.zeros(canvas.shape, device=canvas.device).index_put((rows, columns), confidence_at)
         commit = select_positions_to_commit(
             confidence, to_decode, config.threshold, min_commits_per_step(to_decode, steps_left)
         )
@@ -492,14 +502,14 @@ class CloverGenerationMixin(GenerationMixin):
             next_position=attention_mask.sum(-1, keepdim=True),
             prompt_length=prompt_length,
             padded=not bool(attention_mask.all()),
-            forward=self._compiled_forward() if config.compile else self,
+            forward=self._compiled_forward() if config.compile else self.model,
         )
 
     def _compiled_forward(self):
-        """The model's forward, compiled once per model (traced once per input length on a static cache)."""
+        """The decoder's forward, compiled once per model (traced once per input length on a static cache)."""
         if getattr(self, "_clover_compiled_forward", None) is None:
             # Compile a bound method, not a module: a module attribute would join the state dict.
-            self._clover_compiled_forward = torch.compile(self.forward)
+            self._clover_compiled_forward = torch.compile(self.model.forward)
         return self._clover_compiled_forward
 
     def _prepare_generation_config(self, generation_config=None, **kwargs):

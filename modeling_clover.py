@@ -1002,14 +1002,17 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    def decode_step(self, input_ids: torch.LongTensor, *, state: CloverDecodingState, commit_length: int = 0):
+    def decode_step(
+        self, input_ids: torch.LongTensor, *, state: CloverDecodingState, commit_length: int = 0
+    ) -> torch.Tensor:
         """One forward of block-diffusion decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
 
         `input_ids` (batch, n) are the tokens right after the cache: one block to denoise (or, with `commit_length =
         n`, to commit), or a finished block followed by the next block's canvas, the first `commit_length` tokens
         entering the cache in the same forward. This is where a decoding forward's mask is decided: a forward that
         is one block of an unpadded batch sees the cache and itself, so it attends with no mask at all. Returns the
-        logits of the last `block_size` tokens (batch, block, vocab); the cache advances by `commit_length`.
+        final hidden states of the last `block_size` tokens (batch, block, hidden), for `lm_head` to project where a
+        token is still to be decided; the cache advances by `commit_length`.
         """
         cache, block_size = state.cache, self.config.block_size
         num_tokens = input_ids.shape[1]
@@ -1031,9 +1034,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             block_ids=block_ids,
             commit_length=commit_length,
             use_cache=True,
-            logits_to_keep=block_size,
         )
-        return outputs.logits
+        return outputs.last_hidden_state[:, -block_size:]
 
     def _diffusion_loss(
         self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, label_weights, with_aux

@@ -266,7 +266,8 @@ def test_min_commits_per_step_finishes_the_block_within_the_cap():
 
 def test_denoising_step_never_proposes_the_mask_token(tiny_model):
     # The mask column holds the largest logit everywhere; the runner-up (token 5 at 3.0) must be committed instead,
-    # and committed positions (0) keep their token.
+    # and committed positions (0) keep their token. lm_head is the identity, so the "hidden states" are the logits.
+    tiny_model.lm_head = torch.nn.Identity()
     logits = torch.zeros(1, 4, 128)
     logits[..., MASK_ID] = 10.0
     logits[..., 5] = 3.0
@@ -277,6 +278,32 @@ def test_denoising_step_never_proposes_the_mask_token(tiny_model):
     new_canvas, committed = tiny_model._denoising_step(canvas, logits, to_decode, canvas, decoding, None)
     assert new_canvas.tolist() == [[42, 5, 5, 5]]
     assert committed.tolist() == [[False, True, True, True]]
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.3])
+def test_lm_head_on_undecided_positions_only_gives_the_same_tokens_as_the_whole_block(
+    model, unequal_prompts, threshold
+):
+    _, input_ids, attention_mask = unequal_prompts
+    rows_projected = {}
+
+    def generate_counting(sparse):
+        rows = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+        try:
+            out = generate(model, input_ids, attention_mask=attention_mask, threshold=threshold, sparse_lm_head=sparse)
+        finally:
+            hook.remove()
+        rows_projected[sparse] = sum(rows)
+        return out
+
+    sparse, dense = generate_counting(True), generate_counting(False)
+    assert torch.equal(sparse.sequences, dense.sequences)
+    assert torch.equal(sparse.num_forward_passes, dense.num_forward_passes)
+    # dense: every position of every row at every step; sparse: only the still-masked ones (at one commit per step,
+    # 8 + 7 + ... + 1 = 36 of a block's 64)
+    assert rows_projected[False] == 2 * BLOCK * sum(dense.steps_per_block)
+    assert rows_projected[True] <= 36 / 64 * rows_projected[False]
 
 
 # ------------------------------------------------------------------------------------------------ output format
