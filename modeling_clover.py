@@ -1003,28 +1003,37 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         )
 
     def decode_step(
-        self, input_ids: torch.LongTensor, *, state: CloverDecodingState, commit_length: int = 0
+        self,
+        input_ids: torch.LongTensor,
+        *,
+        state: CloverDecodingState,
+        commit_length: int = 0,
+        causal_tokens: int = 0,
     ) -> torch.Tensor:
-        """One forward of block-diffusion decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
+        """One forward of decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
 
         `input_ids` (batch, n) are the tokens right after the cache: one block to denoise (or, with `commit_length =
         n`, to commit), or a finished block followed by the next block's canvas, the first `commit_length` tokens
-        entering the cache in the same forward. This is where a decoding forward's mask is decided: a forward that
-        is one block of an unpadded batch sees the cache and itself, so it attends with no mask at all. Returns the
-        final hidden states of the last `block_size` tokens (batch, block, hidden), for `lm_head` to project where a
-        token is still to be decided; the cache advances by `commit_length`.
+        entering the cache in the same forward. The first `causal_tokens` tokens are causal context (the causal
+        forward of self-speculative decoding), the rest form blocks of `block_size`. This is where a decoding
+        forward's mask is decided: a forward that is one block of an unpadded batch sees the cache and itself, so
+        it attends with no mask at all. Returns the final hidden states (batch, n, hidden), for `lm_head` to project
+        where a token is still to be decided; the cache advances by `commit_length`.
         """
         cache, block_size = state.cache, self.config.block_size
         num_tokens = input_ids.shape[1]
+        columns = torch.arange(num_tokens, device=input_ids.device)
         offset = cache.length - state.prompt_length  # generated tokens already committed (a 0-d tensor when static)
-        position_ids = state.next_position + offset + torch.arange(num_tokens, device=input_ids.device)
-        if not cache.static and not state.padded and commit_length in (0, num_tokens):
+        position_ids = state.next_position + offset + columns
+        one_block = causal_tokens == 0 and commit_length in (0, num_tokens)
+        if one_block and not cache.static and not state.padded:
             attention_mask, block_ids = None, 0
         else:
             attention_mask = (
                 state.attention_mask if cache.static else state.attention_mask[:, : cache.length + num_tokens]
             )
-            block_ids = (torch.arange(num_tokens, device=input_ids.device) // block_size).expand_as(input_ids)
+            block_ids = torch.where(columns < causal_tokens, -1, (columns - causal_tokens) // block_size)
+            block_ids = block_ids.expand_as(input_ids)
         outputs = state.forward(
             # Embedded here: ids the model wrote itself need no range check (a host sync per forward).
             inputs_embeds=self.model.embed_tokens(input_ids),
@@ -1035,7 +1044,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             commit_length=commit_length,
             use_cache=True,
         )
-        return outputs.last_hidden_state[:, -block_size:]
+        return outputs.last_hidden_state
 
     def _diffusion_loss(
         self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, label_weights, with_aux

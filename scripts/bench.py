@@ -1,14 +1,18 @@
-"""Where block diffusion stands against autoregressive decoding, measured in one run on the same weights.
+"""Clover against its autoregressive base at equal accuracy, measured in one run on the same held-out problems.
 
-    python scripts/bench.py                                  # the shipped tiny model, CPU
-    python scripts/bench.py --model DIR --output bench_results --prompts 8
+    python scripts/bench.py                                      # the shipped Clover and its AR base, CPU
+    python scripts/bench.py --per-family 10 --output bench_results
 
-1. Block-diffusion `generate` (batch 1, threshold 0.95) vs transformers' own `Qwen3_5MoeForCausalLM.generate`
-   (greedy, KV cache) with the same weights, forced to the same number of new tokens: tok/s of each and the ratio.
-2. Time per denoising step against prompt length (128 to 8192 tokens).
-3. Loop overhead: generate's wall time over the time spent inside model forwards.
-4. Forwards per committed block against denoising steps per block (equal when the commit is fused).
-Prints a table, writes bench.json and bench.png.
+1. Decoding, batch 1, greedy, each model its own way, on held-out demo problems: the AR base with transformers'
+   `Qwen3_5MoeForCausalLM.generate` (KV cache); Clover LowConfidence at thresholds 1.0 / 0.95 / 0.9 / 0.8 / 0.7;
+   Clover self-speculative (drafts by block diffusion, verified by the causal forward). For each: tokens/s,
+   tokens per forward, exact match.
+2. Where a denoising step's time goes (attention, Gated DeltaNet, routed experts, the rest of the MoE, lm_head,
+   the rest), on the shipped model and on a slice of the real 35B shape (one Gated DeltaNet and one attention
+   layer, 256 experts, the 248,320-token vocabulary, bf16).
+3. Time per denoising step against prompt length (128 to 8192 tokens); loop overhead (generate's wall time over the
+   time inside model forwards); forwards per block against denoising steps per block.
+Prints the tables, writes bench.json and bench.png (exact match against tokens/s, the AR base as a point).
 """
 
 from __future__ import annotations
@@ -17,61 +21,45 @@ import argparse
 import json
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover.cli_clover import checkpoint_dir, run_main
-from clover.demo_tasks import FAMILIES, encode_example, generate_examples
+from clover.configuration_clover import CloverConfig
+from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_examples
+from clover.modeling_clover import CloverCache, CloverForBlockDiffusion, rotary_inverse_frequencies
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
-QWEN_FIELDS = (
-    "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim hidden_act "
-    "max_position_embeddings rms_norm_eps attention_bias linear_conv_kernel_dim linear_key_head_dim "
-    "linear_value_head_dim linear_num_key_heads linear_num_value_heads moe_intermediate_size "
-    "shared_expert_intermediate_size num_experts_per_tok num_experts layer_types rope_parameters "
-    "tie_word_embeddings pad_token_id eos_token_id"
-).split()
-
-
-def model_label(model: str) -> str:
-    """The model as the results file names it: relative to the repository when it lies inside it."""
-    path = Path(model).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else model
+THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
+BENCH_SEED = 4242  # held out: training uses seeds 1 and 2, eval_demo.py 12345
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(DEFAULT_MODEL))
-    parser.add_argument("--prompts", type=int, default=8, help="chat prompts (2 per task family)")
-    parser.add_argument("--threshold", type=float, default=0.95)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--model", default=str(REPO / "models" / "clover-tiny-demo"), help="a Clover checkpoint")
+    parser.add_argument(
+        "--base", default=str(REPO / "models" / "qwen3_5_moe-tiny-demo"), help="its autoregressive base"
+    )
+    parser.add_argument("--per-family", type=int, default=6, help="held-out problems per task family")
+    parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
+    parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=10, help="timed denoising steps per prompt length")
-    parser.add_argument("--compile", action="store_true", help="also time generate(compile=True)")
+    parser.add_argument("--no-35b-slice", action="store_true", help="skip the profile of the 35B-shaped slice")
     parser.add_argument("--output", default="bench_results")
     return parser.parse_args(argv)
 
 
-def autoregressive_twin(model):
-    """transformers' Qwen3_5MoeForCausalLM holding the same weights (Clover keeps its parameter names)."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    config = Qwen3_5MoeTextConfig(**{name: getattr(model.config, name) for name in QWEN_FIELDS})
-    twin = Qwen3_5MoeForCausalLM(config).to(model.dtype).eval()
-    twin.load_state_dict(model.state_dict(), strict=True)
-    return twin
-
-
 class ForwardTimer:
-    """Adds up the wall time spent inside a module's forward (for the loop-overhead ratio)."""
+    """Adds up the wall time spent inside a module's forward."""
 
     def __init__(self, module: torch.nn.Module):
         self.seconds, self.calls = 0.0, 0
-        module.register_forward_pre_hook(self._start)
-        module.register_forward_hook(self._stop)
+        self.handles = [module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop)]
 
     def _start(self, *_):
         self._t0 = time.perf_counter()
@@ -80,98 +68,158 @@ class ForwardTimer:
         self.seconds += time.perf_counter() - self._t0
         self.calls += 1
 
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
-def bench_generation(model, twin, prompts, threshold, max_new_tokens) -> dict:
-    timer = ForwardTimer(model.model)
-    rows = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        model.generate(ids, max_new_tokens=8, threshold=threshold)  # warm-up (allocator, first-call paths)
-        timer.seconds, timer.calls = 0.0, 0
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_new_tokens, threshold=threshold, return_dict_in_generate=True)
-        diffusion_seconds = time.perf_counter() - start
-        new_tokens = int(out.num_new_tokens[0])
-        forwards = int(out.num_forward_passes[0])
-        prefill_seconds = timer.seconds / max(timer.calls, 1)  # roughly; subtracted only from the overhead ratio
 
-        twin.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
-        start = time.perf_counter()
-        twin.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        ar_seconds = time.perf_counter() - start
-        rows.append(
-            {
-                "prompt_tokens": len(prompt),
-                "new_tokens": new_tokens,
-                "forwards": forwards,
-                "blocks": len(out.steps_per_block),
-                "steps_per_block": out.steps_per_block,
-                "diffusion_seconds": diffusion_seconds,
-                "ar_seconds": ar_seconds,
-                "forward_seconds": timer.seconds,
-                "forward_calls": timer.calls,
-                "prefill_seconds_estimate": prefill_seconds,
-            }
-        )
-    tokens = sum(r["new_tokens"] for r in rows)
-    diffusion_tps = tokens / sum(r["diffusion_seconds"] for r in rows)
-    ar_tps = tokens / sum(r["ar_seconds"] for r in rows)
-    forwards_per_block = sum(r["forwards"] for r in rows) / sum(r["blocks"] for r in rows)
-    steps_per_block = sum(sum(r["steps_per_block"]) for r in rows) / sum(r["blocks"] for r in rows)
-    return {
-        "rows": rows,
-        "new_tokens": tokens,
-        "diffusion_tok_per_s": diffusion_tps,
-        "ar_tok_per_s": ar_tps,
-        "speedup": diffusion_tps / ar_tps,
-        "tokens_per_forward": tokens / sum(r["forwards"] for r in rows),
-        "overhead": sum(r["diffusion_seconds"] for r in rows) / sum(r["forward_seconds"] for r in rows),
-        "forwards_per_block": forwards_per_block,
-        "denoising_steps_per_block": steps_per_block,
+# ---- 1. decoding at equal accuracy --------------------------------------------------------------------------------
+
+
+def decode_runs(clover, base, tokenizer, examples, args) -> dict:
+    """Every decoder on every problem, batch 1: per decoder tokens, seconds, forwards and exact matches."""
+    decoders = {"AR base": None, **{f"Clover {t}": {"threshold": t} for t in args.thresholds}}
+    decoders["Clover self-speculative"] = {"strategy": "self_speculative"}
+    eos_ids = torch.tensor(clover.generation_config.eos_token_id).reshape(-1)
+    prompts = [
+        torch.tensor([encode_example(tokenizer, e, clover.config.max_position_embeddings)[0]]) for e in examples
+    ]
+    timer = ForwardTimer(clover.model)
+    results = {}
+    for name, settings in tqdm(decoders.items(), desc="decoders"):
+        run = defaultdict(float)
+        for example, ids in zip(examples, prompts, strict=True):
+            if settings is None:  # transformers' own autoregressive generate, KV cache
+                base.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
+                start = time.perf_counter()
+                new = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
+                seconds = time.perf_counter() - start
+                is_eos = torch.isin(new, eos_ids)
+                new_tokens = int(is_eos.float().argmax()) + 1 if bool(is_eos.any()) else len(new)
+                forwards, blocks, steps = new_tokens, 0, 0
+            else:
+                clover.generate(ids, max_new_tokens=4, **settings)  # warm-up
+                timer.seconds = 0.0
+                start = time.perf_counter()
+                out = clover.generate(
+                    ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, **settings
+                )
+                seconds = time.perf_counter() - start
+                new = out.sequences[0, ids.shape[1] :]
+                new_tokens, forwards = int(out.num_new_tokens[0]), int(out.num_forward_passes[0])
+                blocks, steps = len(out.steps_per_block), sum(out.steps_per_block)
+                run["forward_seconds"] += timer.seconds
+            reply = tokenizer.decode(new[:new_tokens], skip_special_tokens=True)
+            run["correct"] += check_reply(example, reply)
+            run["problems"] += 1
+            run["new_tokens"] += new_tokens
+            run["seconds"] += seconds
+            run["forwards"] += forwards
+            run["blocks"] += blocks
+            run["denoising_steps"] += steps
+        results[name] = summarise(run)
+    timer.remove()
+    return results
+
+
+def summarise(run: dict) -> dict:
+    summary = {
+        "exact_match": run["correct"] / run["problems"],
+        "tok_per_s": run["new_tokens"] / run["seconds"],
+        "tokens_per_forward": run["new_tokens"] / run["forwards"],
+        **{key: run[key] for key in ("problems", "new_tokens", "seconds", "forwards")},
     }
+    if run["forward_seconds"]:
+        summary["loop_overhead"] = run["seconds"] / run["forward_seconds"]
+    if run["blocks"]:
+        summary["forwards_per_block"] = run["forwards"] / run["blocks"]
+        summary["steps_per_block"] = run["denoising_steps"] / run["blocks"]
+    return summary
 
 
-def bench_compiled(model, prompts, threshold, max_new_tokens) -> dict:
-    """generate(compile=True): the same decoding through torch.compile, compilation timed apart (a warm-up run per
-    prompt traces every static-cache length the timed runs use)."""
-    start = time.perf_counter()
-    for prompt in prompts:
-        model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, threshold=threshold, compile=True)
-    compile_seconds = time.perf_counter() - start
-    tokens, seconds = 0, 0.0
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        start = time.perf_counter()
-        out = model.generate(
-            ids, max_new_tokens=max_new_tokens, threshold=threshold, compile=True, return_dict_in_generate=True
-        )
-        seconds += time.perf_counter() - start
-        tokens += int(out.num_new_tokens[0])
-    return {"compile_seconds": compile_seconds, "new_tokens": tokens, "tok_per_s": tokens / seconds}
+# ---- 2. where a step's time goes ----------------------------------------------------------------------------------
+
+
+PARTS = {
+    "attention": lambda name: name.endswith(".self_attn"),
+    "gated_deltanet": lambda name: name.endswith(".linear_attn"),
+    "routed_experts": lambda name: name.endswith(".mlp.experts"),
+    "router_and_shared_expert": lambda name: name.endswith(
+        (".mlp.gate", ".mlp.shared_expert", ".mlp.shared_expert_gate")
+    ),
+    "lm_head": lambda name: name == "lm_head",
+}
 
 
 @torch.no_grad()
-def bench_step_time(model, prompt_lengths, steps) -> dict:
-    """Median time of one denoising forward (a block of masks on the committed cache, as generate runs it for a
-    prompt without padding) per prompt length."""
-    from clover.modeling_clover import CloverCache
+def step_profile(model, prompt_length: int = 256, steps: int = 5) -> dict:
+    """Milliseconds of one denoising step (a block of masks on a committed cache, then lm_head on the block) per
+    part; "rest" is what no part covers (embedding, norms, residuals, the mask, Python)."""
+    timers = {part: [ForwardTimer(m) for n, m in model.named_modules() if match(n)] for part, match in PARTS.items()}
+    cache, block, positions = prefilled_cache(model, prompt_length)
+    totals = []
+    for timer in (t for ts in timers.values() for t in ts):
+        timer.seconds = 0.0
+    for step in range(steps + 1):
+        if step == 1:  # the first step warms caches up
+            for timer in (t for ts in timers.values() for t in ts):
+                timer.seconds = 0.0
+        start = time.perf_counter()
+        hidden = model.model(
+            input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False
+        )
+        model.lm_head(hidden.last_hidden_state)
+        if step:
+            totals.append(time.perf_counter() - start)
+    profile = {part: 1000 * sum(t.seconds for t in ts) / steps for part, ts in timers.items()}
+    profile["total"] = 1000 * sum(totals) / steps
+    profile["rest"] = profile["total"] - sum(profile[part] for part in PARTS)
+    for ts in timers.values():
+        for timer in ts:
+            timer.remove()
+    return profile
 
+
+def prefilled_cache(model, length: int):
     config = model.config
-    block = torch.full((1, config.block_size), config.mask_token_id)
     generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.mask_token_id, (1, length), generator=generator)
+    cache = CloverCache(config)
+    model.model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    block = torch.full((1, config.block_size), config.mask_token_id)
+    return cache, block, torch.arange(length, length + config.block_size)[None]
+
+
+def slice_of_35b() -> CloverForBlockDiffusion:
+    """Clover-35B-A3B's shapes (hidden 2048, 256 experts top-8, the real vocabulary) with one Gated DeltaNet and one
+    attention layer, random bf16 weights (5.4 GB): what one step of the real model costs per layer kind."""
+    config = CloverConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config).to(torch.bfloat16)
+    model = model.to_empty(device="cpu").eval()  # allocated in bf16, never in fp32
+    with torch.no_grad():
+        for param in model.parameters():  # random, so that the router spreads tokens over the experts
+            param.normal_(0.0, 0.02)
+        model.model.rotary_emb.inv_freq.copy_(rotary_inverse_frequencies(config))
+    return model
+
+
+# ---- 3. step time against prompt length ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def step_time(model, prompt_lengths, steps) -> dict:
+    """Median seconds of one denoising forward (as generate runs it for an unpadded prompt) per prompt length."""
     result = {}
     for length in prompt_lengths:
-        prompt = torch.randint(0, config.mask_token_id, (1, length), generator=generator)
-        cache = CloverCache(config)
-        model.model(input_ids=prompt, past_key_values=cache, use_cache=True)
-        positions = torch.arange(length, length + config.block_size)[None]
+        cache, block, positions = prefilled_cache(model, length)
         times = []
         for _ in range(steps + 2):
             start = time.perf_counter()
             hidden = model.model(
                 input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False
-            ).last_hidden_state
-            model.lm_head(hidden)
+            )
+            model.lm_head(hidden.last_hidden_state)
             times.append(time.perf_counter() - start)
         result[length] = statistics.median(times[2:])  # the first calls warm caches up
     return result
@@ -183,25 +231,24 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    generation, steps = report["generation"], report["step_seconds"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    labels = ["autoregressive\n(transformers)", "block diffusion\n(Clover, 0.95)"]
-    values = [generation["ar_tok_per_s"], generation["diffusion_tok_per_s"]]
-    if "compiled" in generation:
-        labels.append("block diffusion\n+ torch.compile")
-        values.append(generation["compiled"]["tok_per_s"])
-    bars = left.bar(labels, values, color=["#999999", "#2b7a3d", "#1f5c99"][: len(values)])
-    left.bar_label(bars, fmt="%.0f tok/s")
-    left.set_ylabel("tokens / s (batch 1)")
-    left.set_title(f"{generation['speedup']:.2f}x, {generation['tokens_per_forward']:.2f} tokens per forward")
-    lengths = sorted(int(k) for k in steps)
-    right.plot(lengths, [1000 * steps[str(n)] for n in lengths], marker="o")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("prompt length (tokens)")
-    right.set_ylabel("ms per denoising step")
-    right.set_ylim(bottom=0)
-    right.grid(alpha=0.3)
-    right.set_title("denoising step vs. prompt length")
+    runs = report["decoding"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, run in runs.items():
+        marker, color = ("s", "black") if name == "AR base" else ("*", "tab:red") if "speculative" in name else ("o", "tab:green")  # fmt: skip
+        ax.scatter(run["tok_per_s"], 100 * run["exact_match"], marker=marker, color=color, s=60, zorder=3)
+        ax.annotate(name.replace("Clover ", ""), (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8,
+                    textcoords="offset points", xytext=(5, -10))  # fmt: skip
+    low_confidence = [r for n, r in runs.items() if n.startswith("Clover") and "speculative" not in n]
+    ax.plot(
+        [r["tok_per_s"] for r in low_confidence],
+        [100 * r["exact_match"] for r in low_confidence],
+        color="tab:green",
+        lw=0.8,
+    )
+    ax.set_xlabel("tokens / s (batch 1, this CPU)")
+    ax.set_ylabel("exact match on held-out problems (%)")
+    ax.grid(alpha=0.3)
+    ax.set_title("Clover (LowConfidence thresholds, self-speculative) vs its AR base")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -211,46 +258,45 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_grad_enabled(False)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
-    twin = autoregressive_twin(model)
-    examples = generate_examples(args.prompts, seed=777, families=FAMILIES)
-    prompts = [encode_example(tokenizer, e, model.config.max_position_embeddings)[0] for e in examples]
+    clover = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
+    base = AutoModelForCausalLM.from_pretrained(checkpoint_dir(args.base, "--base")).eval()
+    examples = generate_examples(args.per_family * len(FAMILIES), seed=BENCH_SEED)
 
-    generation = bench_generation(model, twin, prompts, args.threshold, args.max_new_tokens)
-    step_seconds = bench_step_time(model, args.prompt_lengths, args.steps)
-    if args.compile:
-        compiled = bench_compiled(model, prompts, args.threshold, args.max_new_tokens)
-        compiled["speedup_vs_ar"] = compiled["tok_per_s"] / generation["ar_tok_per_s"]
-        generation["compiled"] = compiled
+    decoding = decode_runs(clover, base, tokenizer, examples, args)
+    profiles = {"shipped model": step_profile(clover)}
+    if not args.no_35b_slice:
+        profiles["35B shape, 2-layer slice (bf16)"] = step_profile(slice_of_35b(), steps=2)
+    steps = step_time(clover, args.prompt_lengths, args.steps)
     shortest, longest = min(args.prompt_lengths), max(args.prompt_lengths)
     report = {
-        "model": model_label(args.model),
+        "model": args.model,
+        "base": args.base,
         "threads": torch.get_num_threads(),
-        "threshold": args.threshold,
-        "generation": generation,
-        "step_seconds": {str(k): v for k, v in step_seconds.items()},
-        "step_ratio_longest_to_shortest": step_seconds[longest] / step_seconds[shortest],
+        "problems": len(examples),
+        "decoding": decoding,
+        "step_profile_ms": profiles,
+        "step_seconds": {str(k): v for k, v in steps.items()},
+        "step_ratio_longest_to_shortest": steps[longest] / steps[shortest],
     }
-    g = generation
-    print(f"new tokens: {g['new_tokens']} over {len(prompts)} prompts, batch 1, threshold {args.threshold}")
-    print(f"{'':38} {'value':>10} {'target':>10}")
-    print(f"{'autoregressive tok/s (transformers)':38} {g['ar_tok_per_s']:10.1f}")
-    print(f"{'block diffusion tok/s (Clover)':38} {g['diffusion_tok_per_s']:10.1f}")
-    print(f"{'speed-up':38} {g['speedup']:9.2f}x {'>= 3x':>10}")
-    print(f"{'tokens per forward':38} {g['tokens_per_forward']:10.2f}")
-    if "compiled" in g:
-        c = g["compiled"]
-        print(f"{'block diffusion, compile=True, tok/s':38} {c['tok_per_s']:10.1f}")
-        print(f"{'speed-up, compile=True':38} {c['speedup_vs_ar']:9.2f}x {'>= 3x':>10}")
-        print(f"{'(one-off compilation + warm-up, s)':38} {c['compile_seconds']:10.1f}")
-    for length, seconds in step_seconds.items():
-        print(f"{f'ms per denoising step, prompt {length}':38} {1000 * seconds:10.2f}")
-    print(
-        f"{f'step time ratio {longest} / {shortest}':38} {report['step_ratio_longest_to_shortest']:10.2f} {'<= 1.5':>10}"
-    )
-    print(f"{'loop overhead (wall / forwards)':38} {g['overhead']:10.3f} {'<= 1.15':>10}")
-    print(f"{'forwards per block':38} {g['forwards_per_block']:10.2f}")
-    print(f"{'denoising steps per block':38} {g['denoising_steps_per_block']:10.2f} {'== above':>10}")
+
+    ar = decoding["AR base"]
+    print(f"{len(examples)} held-out problems, batch 1, greedy, {torch.get_num_threads()} threads")
+    print(f"{'decoder':26} {'exact':>7} {'tok/s':>8} {'vs AR':>7} {'tok/fwd':>8}")
+    for name, run in decoding.items():
+        speedup = run["tok_per_s"] / ar["tok_per_s"]
+        print(f"{name:26} {100 * run['exact_match']:6.1f}% {run['tok_per_s']:8.1f} {speedup:6.2f}x {run['tokens_per_forward']:8.2f}")  # fmt: skip
+    for label, profile in profiles.items():
+        parts = ", ".join(f"{part} {ms:.2f}" for part, ms in profile.items() if part != "total")
+        print(f"step profile, {label}: {profile['total']:.2f} ms = {parts}")
+    for length, seconds in steps.items():
+        print(f"ms per denoising step, prompt {length}: {1000 * seconds:.2f}")
+    print(f"step time {longest} / {shortest}: {report['step_ratio_longest_to_shortest']:.2f} (target <= 1.5)")
+    main_run = decoding.get("Clover 0.95")
+    if main_run:
+        print(
+            f"Clover 0.95: loop overhead {main_run['loop_overhead']:.3f} (target <= 1.1), forwards per block "
+            f"{main_run['forwards_per_block']:.2f}, denoising steps per block {main_run['steps_per_block']:.2f}"
+        )
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "bench.json").write_text(json.dumps(report, indent=1))

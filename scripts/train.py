@@ -36,7 +36,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from clover.cli_clover import checkpoint_dir, run_main
 from clover.training_clover import (
     CloverDataCollator,
-    encode_chat_example,
+    encode_chat_examples,
     read_chat_jsonl,
     token_budget_batches,
 )
@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_examples(path: str, tokenizer, max_length: int) -> list[dict]:
-    return [encode_chat_example(tokenizer, record, max_length) for record in read_chat_jsonl(path)]
+    return encode_chat_examples(tokenizer, read_chat_jsonl(path), max_length)
 
 
 def apply_lora(model, rank: int):

@@ -3,10 +3,11 @@
     python scripts/train_demo.py                      # every stage; rerun the same command to resume
     python scripts/train_demo.py --stages base        # one stage (the ones before it must be done)
 
-1. data:    the demo tokenizer and the chat corpus (JSONL, training seed 1; eval_demo.py holds out seed 12345);
-2. base:    transformers' Qwen3_5MoeForCausalLM in Clover's layer layout, trained causally on the answers with
-            transformers.Trainer -> --base-output (a plain Qwen3.5-MoE checkpoint: the AR model Clover is compared
-            with);
+1. data:    the demo tokenizer and the chat corpus (JSONL, training seed 1; eval_demo.py holds out seed 12345),
+            with a warm-up set of smaller problems (`demo_tasks.LEVELS`) that the base starts on;
+2. base:    transformers' Qwen3_5MoeForCausalLM (Gated DeltaNet and gated attention, alternating), trained causally
+            on the answers with transformers.Trainer, warm-up first -> --base-output (a plain Qwen3.5-MoE
+            checkpoint: the AR model Clover is compared with);
 3. convert: scripts/convert_qwen3_5_moe.py turns the base into a Clover checkpoint;
 4. adapt:   scripts/train.py trains it with the block-diffusion objective (plus a causal next-token loss) ->
             --output (the shipped Clover), with one learning-curve plot of both stages.
@@ -32,7 +33,7 @@ from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArgum
 
 from clover.cli_clover import run_main
 from clover.demo_tasks import FAMILIES, build_demo_tokenizer, generate_examples, write_chat_jsonl
-from clover.training_clover import CausalChatCollator, encode_chat_example, read_chat_jsonl, token_budget_batches
+from clover.training_clover import CausalChatCollator, encode_chat_examples, read_chat_jsonl, token_budget_batches
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("data", "base", "convert", "adapt")
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work", default=str(REPO / "runs" / "tiny-demo"), help="checkpoints and intermediates")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--num-examples", type=int, default=200_000, help="training conversations")
+    parser.add_argument(
+        "--warmup-examples", type=int, default=45_000, help="easier conversations the base starts on (a curriculum)"
+    )
     parser.add_argument("--mix", type=float, nargs=len(FAMILIES), default=list(TRAINING_MIX), metavar="W")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary (every task word one token)")
     parser.add_argument("--hidden-size", type=int, default=DEMO_ARCHITECTURE["hidden_size"])
@@ -87,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shared-expert-intermediate-size", type=int, default=DEMO_ARCHITECTURE["shared_expert_intermediate_size"]
     )
     parser.add_argument("--batch-tokens", type=int, default=4096, help="prompt + answer tokens per batch")
-    parser.add_argument("--base-steps", type=int, default=12000)
+    parser.add_argument("--base-steps", type=int, default=10000)
     parser.add_argument("--base-lr", type=float, default=3e-3)
     parser.add_argument("--adapt-steps", type=int, default=3000)
     parser.add_argument("--adapt-lr", type=float, default=1e-3)
@@ -111,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # What makes each stage the same stage: a stage that has started (finished, or left checkpoints) is only continued
 # under the settings that started it; a later stage may still change its own.
 STAGE_SETTINGS = {
-    "data": ("num_examples", "mix", "vocab_size", "seed"),
+    "data": ("num_examples", "warmup_examples", "mix", "vocab_size", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
@@ -212,15 +216,29 @@ def stage_data(args, run: Run) -> None:
     """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
     work = run.work
     tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
-    # Training conversations come from seed + 1, the eval-loss split from seed + 2; eval_demo.py uses 12345.
+    # Training conversations come from seed + 1 (the warm-up from seed + 3), the eval-loss split from seed + 2;
+    # eval_demo.py uses 12345.
     train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix)
     write_chat_jsonl(train, work / "train.jsonl")
+    warmup = generate_examples(args.warmup_examples, args.seed + 3, FAMILIES, args.mix, level="warmup")
+    write_chat_jsonl(warmup, work / "warmup.jsonl")
     write_chat_jsonl(generate_examples(256, seed=args.seed + 2), work / "eval.jsonl")
-    print(f"data: tokenizer of {len(tokenizer)} tokens, {len(train)} training conversations in {work}")
+    print(f"data: tokenizer of {len(tokenizer)} tokens, {len(warmup)} warm-up and {len(train)} training conversations")
 
 
 def encoded(path: Path, tokenizer, max_length: int) -> list[dict]:
-    return [encode_chat_example(tokenizer, record, max_length) for record in read_chat_jsonl(path)]
+    return encode_chat_examples(tokenizer, read_chat_jsonl(path), max_length)
+
+
+def curriculum(args, warmup: list[dict], train: list[dict], steps: int) -> list[list[dict]]:
+    """The base's batches in the order they are trained on: the warm-up's, then the full corpus's, reshuffled as
+    often as `steps` needs (Trainer reads them in order, `train_sampling_strategy="sequential"`)."""
+    batches = token_budget_batches(warmup, args.batch_tokens, args.seed)
+    epoch = 0
+    while len(batches) < steps:
+        batches += token_budget_batches(train, args.batch_tokens, args.seed + epoch)
+        epoch += 1
+    return batches
 
 
 def stage_base(args, run: Run, resume: str | None) -> None:
@@ -240,7 +258,8 @@ def stage_base(args, run: Run, resume: str | None) -> None:
     model = Qwen3_5MoeForCausalLM(config)
     print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     max_length = config.max_position_embeddings
-    train = token_budget_batches(encoded(work / "train.jsonl", tokenizer, max_length), args.batch_tokens, args.seed)
+    warmup, full = (encoded(work / name, tokenizer, max_length) for name in ("warmup.jsonl", "train.jsonl"))
+    train = curriculum(args, warmup, full, args.base_steps)
     held_out = token_budget_batches(encoded(work / "eval.jsonl", tokenizer, max_length), args.batch_tokens, args.seed)
     checkpoints = work / "base"
     resume = resume or last_checkpoint(checkpoints)
@@ -250,7 +269,9 @@ def stage_base(args, run: Run, resume: str | None) -> None:
         print(f"base: resuming from {resume}")
     trainer = Trainer(
         model=model,
-        args=training_arguments(args, checkpoints, args.base_steps, args.base_lr),
+        args=training_arguments(
+            args, checkpoints, args.base_steps, args.base_lr, train_sampling_strategy="sequential"
+        ),
         train_dataset=train,
         eval_dataset=held_out,
         data_collator=CausalChatCollator(tokenizer.pad_token_id),
@@ -279,8 +300,9 @@ def generation_config(tokenizer) -> GenerationConfig:
     )
 
 
-def training_arguments(args, output_dir: Path, steps: int, lr: float) -> TrainingArguments:
+def training_arguments(args, output_dir: Path, steps: int, lr: float, **overrides) -> TrainingArguments:
     return TrainingArguments(
+        **overrides,
         output_dir=str(output_dir),
         max_steps=steps,
         learning_rate=lr,

@@ -1,14 +1,17 @@
 """Shared fixtures and helpers: a tiny Clover (vocab 128, hidden 64, 4 layers), random prompt ids, the code files
 a checkpoint carries, and the `--runslow` switch. Test modules import the helpers with `from conftest import ...`."""
 
+import inspect
+
 import pytest
 import torch
+from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 
 from clover.configuration_clover import CloverConfig
 from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 
-__all__ = ["CODE_FILES", "random_ids", "spy_experts_kernel"]
+__all__ = ["CODE_FILES", "qwen_config_from", "random_ids", "spy_experts_kernel"]
 
 TINY_FIELDS = dict(
     vocab_size=128,
@@ -38,6 +41,13 @@ TINY_FIELDS = dict(
 def random_ids(*shape, seed=0) -> torch.Tensor:
     """Token ids of the tiny config in [1, 126): no pad (0), EOS (126) or mask (127)."""
     return torch.randint(1, 126, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def qwen_config_from(config: CloverConfig) -> Qwen3_5MoeTextConfig:
+    """The Qwen3.5-MoE text config with the same architecture fields (they convert field for field)."""
+    generic = set(inspect.signature(PretrainedConfig.__init__).parameters)
+    names = set(inspect.signature(Qwen3_5MoeTextConfig.__init__).parameters) - generic - {"self", "kwargs"}
+    return Qwen3_5MoeTextConfig(**{name: getattr(config, name) for name in names if hasattr(config, name)})
 
 
 def _tiny_config(**overrides) -> CloverConfig:

@@ -130,6 +130,24 @@ def test_family_answers_are_right():
                 assert str(value) in ex.expected, (value, ex.expected)
 
 
+def test_warmup_level_draws_smaller_problems_from_a_small_word_pool():
+    from clover.demo_tasks import _WORDS, LEVELS
+
+    rng = random.Random(5)
+    pool = set(_WORDS[: LEVELS["warmup"].word_pool])
+    for _ in range(100):
+        reversal = make_example("reversal", rng, enable_thinking=False, level="warmup")
+        words = reversal.expected.split()
+        assert 3 <= len(words) <= 6 and set(words) <= pool
+        sorting = make_example("sorting", rng, enable_thinking=False, level="warmup")
+        assert 5 <= len(sorting.expected.split(", ")) <= 7
+        addition = make_example("addition", rng, enable_thinking=True, level="warmup")
+        a, b = map(int, re.findall(r"\d+", addition.messages[-2]["content"]))
+        assert 100 <= a < 10**4 and 100 <= b < 10**4
+    with pytest.raises(ValueError, match="Unknown level 'hard'"):
+        make_example("sorting", rng, level="hard")
+
+
 def test_addition_working_is_arithmetically_right():
     rng = random.Random(1234)
     cases = [(999, 1), (100, 900), (999999, 999999), (123, 456789)]

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import random_ids
-from transformers import LogitsProcessorList
+from conftest import qwen_config_from, random_ids
+from transformers import LogitsProcessorList, Qwen3_5MoeForCausalLM
 
 from clover.generation_clover import (
     CloverGenerationConfig,
@@ -176,6 +176,73 @@ def test_max_steps_per_block_caps_the_denoising_steps(model):
     assert out.steps_per_block == [2, 2, 2, 2]
     assert int(out.num_forward_passes) == 8
     assert MASK_ID not in out.sequences.tolist()[0]
+
+
+# ------------------------------------------------------------------------------------------------ self-speculative
+
+
+def causal_greedy(model, prompt, max_new_tokens, eos_id=EOS_ID) -> list[int]:
+    """The model's own causal greedy decoding, by transformers' Qwen3_5MoeForCausalLM holding the same weights:
+    the new tokens through EOS."""
+    twin = Qwen3_5MoeForCausalLM(qwen_config_from(model.config)).float().eval()
+    twin.load_state_dict(model.state_dict())
+    out = twin.generate(
+        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=PAD_ID
+    )
+    tokens = out[0, prompt.shape[1] :].tolist()
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+def through_eos(tokens: list[int], eos_id: int = EOS_ID) -> list[int]:
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@pytest.mark.parametrize("prompt_len,seed", [(6, 1), (1, 4), (11, 7)])
+def test_self_speculative_equals_causal_greedy_decoding(model, prompt_len, seed):
+    prompt = random_ids(1, prompt_len, seed=seed)
+    out = generate(model, prompt, strategy="self_speculative")
+    assert out.sequences.shape == (1, prompt_len + MAX_NEW_TOKENS)
+    assert out.sequences[0, prompt_len:].tolist() == causal_greedy(model, prompt, MAX_NEW_TOKENS)
+    # every iteration keeps at least two tokens (the draft starts with the causal next token, then the correction)
+    assert int(out.num_forward_passes) <= sum(out.steps_per_block) + len(out.steps_per_block)
+
+
+def test_self_speculative_batch_of_unequal_prompts_equals_causal_greedy_per_row(model, unequal_prompts):
+    prompts, input_ids, attention_mask = unequal_prompts
+    out = generate(model, input_ids, attention_mask=attention_mask, strategy="self_speculative")
+    for row, prompt in enumerate(prompts):
+        assert out.sequences[row, 9:].tolist() == causal_greedy(model, prompt, MAX_NEW_TOKENS)
+        alone = generate(model, prompt, strategy="self_speculative")
+        assert int(out.num_forward_passes[row]) == int(alone.num_forward_passes[0])
+
+
+def test_self_speculative_stops_at_an_early_eos_like_causal_greedy(model):
+    prompt = random_ids(1, 6, seed=1)
+    eos_id = causal_greedy(model, prompt, MAX_NEW_TOKENS)[3]  # a token causal greedy emits early: make it the EOS
+    out = generate(model, prompt, strategy="self_speculative", eos_token_id=eos_id)
+    expected = causal_greedy(model, prompt, MAX_NEW_TOKENS, eos_id=eos_id)
+    assert len(expected) <= 4 and expected[-1] == eos_id
+    new = out.sequences[0, 6:].tolist()
+    assert through_eos(new, eos_id) == expected and new[len(expected) :] == [PAD_ID] * (MAX_NEW_TOKENS - len(expected))
+    assert int(out.num_new_tokens) == len(expected)
+
+
+def test_self_speculative_counts_every_forward_after_the_prefill(model):
+    prompt = random_ids(1, 6, seed=1)
+    calls = []
+    hook = model.model.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
+    try:
+        out = generate(model, prompt, strategy="self_speculative")
+    finally:
+        hook.remove()
+    assert int(out.num_forward_passes) == len(calls) - 1  # one prefill forward (all but the last prompt token)
+    # draft steps + one verify forward per draft, except a draft that starts with EOS (none here)
+    assert int(out.num_forward_passes) == sum(out.steps_per_block) + len(out.steps_per_block)
+
+
+def test_self_speculative_refuses_sampling(tiny_model):
+    with pytest.raises(ValueError, match="strategy='self_speculative' reproduces greedy causal decoding"):
+        tiny_model.generate(random_ids(1, 4), max_new_tokens=8, strategy="self_speculative", do_sample=True)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

@@ -1,13 +1,11 @@
 """Tests of the Clover model: parity with transformers' Qwen3.5-MoE, block-causal semantics, the committed cache,
 padding, the training loss and the gated delta rule. Tiny configs on CPU, a few seconds each."""
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_ids, spy_experts_kernel
-from transformers import PretrainedConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from conftest import qwen_config_from, random_ids, spy_experts_kernel
+from transformers import Qwen3_5MoeForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from clover.configuration_clover import CloverConfig
@@ -24,13 +22,6 @@ MASK_ID = 127
 
 
 # ------------------------------------------------------------------------------------------------ parity
-
-
-def qwen_config_from(config: CloverConfig) -> Qwen3_5MoeTextConfig:
-    """The Qwen3.5-MoE text config with the same architecture fields (they convert field for field)."""
-    generic = set(inspect.signature(PretrainedConfig.__init__).parameters)
-    names = set(inspect.signature(Qwen3_5MoeTextConfig.__init__).parameters) - generic - {"self", "kwargs"}
-    return Qwen3_5MoeTextConfig(**{name: getattr(config, name) for name in names if hasattr(config, name)})
 
 
 @pytest.fixture(scope="module")

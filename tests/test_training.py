@@ -511,6 +511,14 @@ def _old_output(path: Path) -> dict[str, bytes]:
     return files
 
 
+def test_parallel_encoding_gives_the_sequential_encoding_in_order(demo_tokenizer):
+    from clover.training_clover import encode_chat_example, encode_chat_examples
+
+    records = [_repeat_record(WORDS[i % len(WORDS)] + " " * (i % 3)) for i in range(2400)]
+    parallel = encode_chat_examples(demo_tokenizer, records, 1024, processes=2)
+    assert parallel == [encode_chat_example(demo_tokenizer, record, 1024) for record in records]
+
+
 def test_existing_output_is_refused_without_force(train_script, tmp_path):
     output = tmp_path / "out"
     old = _old_output(output)

@@ -28,6 +28,9 @@ from transformers.utils import ModelOutput, logging
 
 from .cache_clover import CloverCache
 
+# The decode loops, by `CloverGenerationConfig.strategy`.
+STRATEGIES = {"low_confidence": "_decode_low_confidence", "self_speculative": "_decode_self_speculative"}
+
 # A compiled generate rounds its static cache up to a multiple of this, so prompts of nearby lengths share a trace.
 STATIC_LENGTH_MULTIPLE = 256
 
@@ -60,6 +63,10 @@ class CloverGenerationConfig(GenerationConfig):
         sparse_lm_head (`bool`, defaults to True):
             Project `lm_head` only onto the positions still to be decided (the same tokens as projecting the whole
             block, greedy; sampling draws fewer random numbers).
+        strategy (`str`, defaults to `"low_confidence"`):
+            `"low_confidence"`: block diffusion, block by block. `"self_speculative"`: drafts made by block diffusion
+            and verified by the causal forward, exactly the model's causal greedy decoding (greedy only, eager only;
+            each row decoded on its own).
         compile (`bool`, defaults to False):
             Decode on a static cache (allocated once for the whole generation, its length rounded up to a multiple
             of 256) through a `torch.compile`d step that is traced once per input length and replayed for every
@@ -75,6 +82,7 @@ class CloverGenerationConfig(GenerationConfig):
             "fuse_commit": kwargs.pop("fuse_commit", True),
             "compile": kwargs.pop("compile", False),
             "sparse_lm_head": kwargs.pop("sparse_lm_head", True),
+            "strategy": kwargs.pop("strategy", "low_confidence"),
             # GenerationConfig knows this name too (None there means "no chunking"); here it defaults to 4096.
             "prefill_chunk_size": kwargs.pop("prefill_chunk_size", None) or 4096,
         }
@@ -100,6 +108,13 @@ class CloverGenerationConfig(GenerationConfig):
             )
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size ({self.block_size!r}) must be a positive integer or None.")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy ({self.strategy!r}) must be one of {sorted(STRATEGIES)}.")
+        if self.strategy == "self_speculative" and (self.do_sample or self.compile):
+            raise ValueError(
+                "strategy='self_speculative' reproduces greedy causal decoding: it takes do_sample=False and "
+                "compile=False."
+            )
 
     @classmethod
     def from_model_config(cls, model_config) -> CloverGenerationConfig:
@@ -270,8 +285,15 @@ class CloverGenerationMixin(GenerationMixin):
         stopping_criteria = stopping_criteria or StoppingCriteriaList()
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        state = self._prefill(input_ids, attention_mask, max_new_tokens, config)
+        # 2. decode (the strategy's loop), 3. finish
+        decode = getattr(self, STRATEGIES[config.strategy])
+        sequences, num_forwards, steps_per_block = decode(input_ids, attention_mask, decoding, stopping_criteria)
+        return self._finalize(input_ids, sequences, num_forwards, steps_per_block, decoding)
 
+    def _decode_low_confidence(self, input_ids, attention_mask, decoding: _Decoding, stopping_criteria):
+        """Block by block (docs/DESIGN.md §6): returns the prompt + decoded blocks, forwards per row, steps per block."""
+        config, eos_ids, max_new_tokens = decoding.config, decoding.eos_ids, decoding.max_new_tokens
+        state = self._prefill(input_ids, attention_mask, max_new_tokens, config)
         batch_size = input_ids.shape[0]
         sequences = input_ids
         finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
@@ -285,13 +307,14 @@ class CloverGenerationMixin(GenerationMixin):
             num_forwards += forwards
             steps_per_block.append(steps)
             # 2.c commit
-            canvas = _pad_after_eos(canvas, finished, eos_ids, pad_id)
+            canvas = _pad_after_eos(canvas, finished, eos_ids, decoding.pad_id)
             sequences = torch.cat([sequences, canvas], dim=1)
             row_done = finished | torch.isin(canvas, eos_ids).any(dim=-1)
             if len(stopping_criteria):
                 row_done = row_done | stopping_criteria(sequences[:, : input_ids.shape[1] + max_new_tokens], None)
-            if streamer is not None:  # the reader sees the block up to the budget, through EOS
-                streamer.put(_visible_tokens(canvas[0], eos_ids, max_new_tokens - block * config.block_size).cpu())
+            if decoding.streamer is not None:  # the reader sees the block up to the budget, through EOS
+                budget_left = max_new_tokens - block * config.block_size
+                decoding.streamer.put(_visible_tokens(canvas[0], eos_ids, budget_left).cpu())
             finished = row_done
             if bool(finished.all()) or block == num_blocks - 1:
                 break
@@ -300,9 +323,7 @@ class CloverGenerationMixin(GenerationMixin):
             else:
                 self.decode_step(canvas, state=state, commit_length=canvas.shape[1])
                 num_forwards += (~finished).long()
-
-        # 3. finish
-        return self._finalize(input_ids, sequences, num_forwards, steps_per_block, decoding)
+        return sequences, num_forwards, steps_per_block
 
     def _decode_block(self, state, pending, sequences, finished, decoding: _Decoding):
         """2.a + 2.b: opens a canvas of masks (pad for finished rows) and denoises it until nothing needed is
@@ -321,7 +342,7 @@ class CloverGenerationMixin(GenerationMixin):
                 hidden_states = self.decode_step(canvas, state=state)
             else:  # the previous block enters the cache in this block's first forward
                 inputs = torch.cat([pending, canvas], dim=1)
-                hidden_states = self.decode_step(inputs, state=state, commit_length=block_size)
+                hidden_states = self.decode_step(inputs, state=state, commit_length=block_size)[:, block_size:]
                 pending = None
             forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
             steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
@@ -353,6 +374,90 @@ class CloverGenerationMixin(GenerationMixin):
             confidence, to_decode, config.threshold, min_commits_per_step(to_decode, steps_left)
         )
         return torch.where(commit, candidate, canvas), commit
+
+    def _decode_self_speculative(self, input_ids, attention_mask, decoding: _Decoding, stopping_criteria):
+        """Lossless self-speculative decoding: each row on its own, its drafts made by block diffusion and checked
+        by the causal forward (the autoregressive base's), so the tokens are exactly the model's causal greedy
+        decoding. Returns the prompt + the new tokens, forwards per row, and the draft steps per block."""
+        rows, num_forwards, steps_per_block = [], [], []
+        for row in range(input_ids.shape[0]):
+            prompt = input_ids[row : row + 1, attention_mask[row].bool()]  # the row alone, unpadded
+            new_tokens, forwards, steps = self._self_speculative_row(prompt, decoding, stopping_criteria)
+            rows.append(new_tokens)
+            num_forwards.append(forwards)
+            steps_per_block += steps
+        longest = max(len(tokens) for tokens in rows)
+        new = torch.full((len(rows), longest), decoding.pad_id, dtype=torch.long, device=input_ids.device)
+        for row, tokens in enumerate(rows):
+            new[row, : len(tokens)] = tokens
+        num_forwards = torch.tensor(num_forwards, dtype=torch.long, device=input_ids.device)
+        return torch.cat([input_ids, new], dim=1), num_forwards, steps_per_block
+
+    def _self_speculative_row(self, prompt, decoding: _Decoding, stopping_criteria):
+        """One row: draft a block, verify it with one causal forward, keep the longest prefix that equals the causal
+        argmax plus the causal model's own next token; the kept tokens are committed (causally) by the next draft's
+        first forward. Returns the new tokens (through EOS, at most max_new_tokens), forwards, draft steps."""
+        config, eos_ids, max_new_tokens = decoding.config, decoding.eos_ids, decoding.max_new_tokens
+        block_size = config.block_size
+        # The last prompt token is committed by the first draft's forward, which also gives the next causal token.
+        # Room for the budget plus what a last iteration writes past it (its kept tokens, draft and verify).
+        capacity = max_new_tokens + 2 * block_size + 1
+        state = self._prefill(prompt[:, :-1], torch.ones_like(prompt[:, :-1]), capacity, config)
+        pending, generated, forwards, steps_per_block = prompt[:, -1:], [], 0, []
+        while True:
+            draft, next_token, steps = self._draft(state, pending, decoding)
+            forwards += steps
+            steps_per_block.append(steps)
+            if bool(torch.isin(next_token, eos_ids).any()):
+                kept = next_token  # the causal model ends here: nothing to verify
+            else:
+                kept = self._verify(state, draft, next_token)
+                forwards += 1
+            eos = torch.isin(kept, eos_ids).nonzero()
+            if len(eos):
+                kept = kept[: int(eos[0]) + 1]
+            generated.append(kept)
+            length = sum(len(tokens) for tokens in generated)
+            sequence = torch.cat([prompt[0], *generated])[None]
+            if decoding.streamer is not None:
+                decoding.streamer.put(kept[: max(max_new_tokens - length + len(kept), 0)].cpu())
+            done = len(eos) or length >= max_new_tokens
+            if done or (len(stopping_criteria) and bool(stopping_criteria(sequence, None).all())):
+                return torch.cat(generated)[:max_new_tokens], forwards, steps_per_block
+            pending = kept[None]  # committed, causally, by the next draft's first forward
+
+    def _verify(self, state, draft, next_token) -> torch.Tensor:
+        """One causal forward over the draft (read-only): the longest draft prefix equal to causal greedy decoding,
+        then the causal model's own next token (the correction, or after a whole accepted draft the bonus)."""
+        block_size = draft.shape[1]
+        hidden_states = self.decode_step(draft, state=state, causal_tokens=block_size)
+        causal_next = self.lm_head(hidden_states[0]).argmax(dim=-1)  # (block,): the causal token after draft[i]
+        expected = torch.cat([next_token, causal_next[:-1]])  # causal greedy at each draft position
+        mismatch = (draft[0] != expected).nonzero()
+        accepted = int(mismatch[0]) if len(mismatch) else block_size  # >= 1: the draft starts with next_token
+        return torch.cat([draft[0, :accepted], torch.cat([expected, causal_next[-1:]])[accepted : accepted + 1]])
+
+    def _draft(self, state, pending, decoding: _Decoding):
+        """A LowConfidence draft of the next block; its first forward commits `pending` causally and gives the
+        causal next token, which the draft starts with. Returns (draft (1, block), next token (1,), steps)."""
+        config = decoding.config
+        block_size = config.block_size
+        canvas = torch.full((1, block_size), config.mask_token_id, dtype=torch.long, device=pending.device)
+        inputs = torch.cat([pending, canvas], dim=1)
+        hidden_states = self.decode_step(inputs, state=state, commit_length=pending.shape[1], causal_tokens=pending.shape[1])  # fmt: skip
+        next_token = self.lm_head(hidden_states[:, pending.shape[1] - 1]).argmax(dim=-1)  # what causal greedy emits
+        canvas[:, 0] = next_token
+        to_decode = canvas == config.mask_token_id
+        hidden_states, steps = hidden_states[:, -block_size:], 1
+        while True:
+            canvas, committed = self._denoising_step(canvas, hidden_states, to_decode, None, decoding, None)
+            to_decode = _stop_after_eos(canvas, to_decode & ~committed, decoding.eos_ids)
+            if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
+                decoding.streamer.put_draft(canvas.cpu())
+            if not bool(to_decode.any()):
+                return canvas, next_token, steps
+            hidden_states = self.decode_step(canvas, state=state)
+            steps += 1
 
     def _finalize(self, input_ids, sequences, num_forwards, steps_per_block, decoding: _Decoding):
         """3: the prompt plus exactly `max_new_tokens` columns (pad after EOS), and the counts."""
