@@ -78,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--num-examples", type=int, default=200_000, help="training conversations")
     parser.add_argument(
-        "--warmup-examples", type=int, default=45_000, help="easier conversations the base starts on (a curriculum)"
+        "--copy-warmup-examples", type=int, default=30_000, help="warm-up reversals the base starts on (a curriculum)"
+    )
+    parser.add_argument(
+        "--warmup-examples", type=int, default=45_000, help="warm-up conversations of every family, next"
     )
     parser.add_argument("--mix", type=float, nargs=len(FAMILIES), default=list(TRAINING_MIX), metavar="W")
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary (every task word one token)")
@@ -115,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # What makes each stage the same stage: a stage that has started (finished, or left checkpoints) is only continued
 # under the settings that started it; a later stage may still change its own.
 STAGE_SETTINGS = {
-    "data": ("num_examples", "warmup_examples", "mix", "vocab_size", "seed"),
+    "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "vocab_size", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
@@ -216,24 +219,28 @@ def stage_data(args, run: Run) -> None:
     """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
     work = run.work
     tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
-    # Training conversations come from seed + 1 (the warm-up from seed + 3), the eval-loss split from seed + 2;
-    # eval_demo.py uses 12345.
+    # Training conversations come from seed + 1 (the warm-ups from seeds + 3 and + 4), the eval-loss split from
+    # seed + 2; eval_demo.py uses 12345.
     train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix)
     write_chat_jsonl(train, work / "train.jsonl")
+    copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level="warmup")
+    write_chat_jsonl(copy_warmup, work / "warmup-copy.jsonl")
     warmup = generate_examples(args.warmup_examples, args.seed + 3, FAMILIES, args.mix, level="warmup")
     write_chat_jsonl(warmup, work / "warmup.jsonl")
     write_chat_jsonl(generate_examples(256, seed=args.seed + 2), work / "eval.jsonl")
-    print(f"data: tokenizer of {len(tokenizer)} tokens, {len(warmup)} warm-up and {len(train)} training conversations")
+    print(f"data: tokenizer of {len(tokenizer)} tokens; {len(copy_warmup)} + {len(warmup)} warm-up and {len(train)} "
+          "training conversations")  # fmt: skip
 
 
 def encoded(path: Path, tokenizer, max_length: int) -> list[dict]:
     return encode_chat_examples(tokenizer, read_chat_jsonl(path), max_length)
 
 
-def curriculum(args, warmup: list[dict], train: list[dict], steps: int) -> list[list[dict]]:
-    """The base's batches in the order they are trained on: the warm-up's, then the full corpus's, reshuffled as
+def curriculum(args, warmups: list[list[dict]], train: list[dict], steps: int) -> list[list[dict]]:
+    """The base's batches in the order they are trained on: each warm-up's in turn (reversals of a few common words
+    first: the copying they teach carries over, see `demo_tasks.DemoLevel`), then the full corpus's, reshuffled as
     often as `steps` needs (Trainer reads them in order, `train_sampling_strategy="sequential"`)."""
-    batches = token_budget_batches(warmup, args.batch_tokens, args.seed)
+    batches = [batch for warmup in warmups for batch in token_budget_batches(warmup, args.batch_tokens, args.seed)]
     epoch = 0
     while len(batches) < steps:
         batches += token_budget_batches(train, args.batch_tokens, args.seed + epoch)
@@ -258,8 +265,10 @@ def stage_base(args, run: Run, resume: str | None) -> None:
     model = Qwen3_5MoeForCausalLM(config)
     print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     max_length = config.max_position_embeddings
-    warmup, full = (encoded(work / name, tokenizer, max_length) for name in ("warmup.jsonl", "train.jsonl"))
-    train = curriculum(args, warmup, full, args.base_steps)
+    copy_warmup, warmup, full = (
+        encoded(work / name, tokenizer, max_length) for name in ("warmup-copy.jsonl", "warmup.jsonl", "train.jsonl")
+    )
+    train = curriculum(args, [copy_warmup, warmup], full, args.base_steps)
     held_out = token_budget_batches(encoded(work / "eval.jsonl", tokenizer, max_length), args.batch_tokens, args.seed)
     checkpoints = work / "base"
     resume = resume or last_checkpoint(checkpoints)

@@ -21,7 +21,7 @@ from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from clover.modeling_clover import CloverForBlockDiffusion
-from clover.training_clover import CloverDataCollator
+from clover.training_clover import CloverDataCollator, encode_chat_example
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -353,7 +353,7 @@ def test_lora_targets_the_fused_expert_parameters(train_script, demo_tokenizer):
     # lora_B starts at zero, so its gradient is (upstream x lora_A input): non-zero only if the forward really
     # runs through the experts' adapters.
     records = [_repeat_record(word) for word in WORDS[:4]]
-    features = [train_script.encode_chat_example(demo_tokenizer, r, 1024) for r in records]
+    features = [encode_chat_example(demo_tokenizer, r, 1024) for r in records]
     batch = CloverDataCollator(demo_tokenizer.pad_token_id, model.config.block_size, seed=0)(features)
     model.train()
     model(**batch).loss.backward()
@@ -369,7 +369,7 @@ def test_lora_fine_tune_changes_the_greedy_answers(repeat_task, demo_tokenizer):
 
 def test_lora_fine_tune_lowers_the_task_loss(repeat_task, train_script, demo_tokenizer):
     records = [_repeat_record(word) for word in WORDS]
-    features = [train_script.encode_chat_example(demo_tokenizer, r, 1024) for r in records]
+    features = [encode_chat_example(demo_tokenizer, r, 1024) for r in records]
     block_size = json.loads((DEMO / "config.json").read_text())["block_size"]
     batch = CloverDataCollator(demo_tokenizer.pad_token_id, block_size, seed=123, complementary=True)(features)
     before, after = _fixed_batch_loss(_load(DEMO), batch), _fixed_batch_loss(_load(repeat_task.merged), batch)
@@ -512,7 +512,7 @@ def _old_output(path: Path) -> dict[str, bytes]:
 
 
 def test_parallel_encoding_gives_the_sequential_encoding_in_order(demo_tokenizer):
-    from clover.training_clover import encode_chat_example, encode_chat_examples
+    from clover.training_clover import encode_chat_examples
 
     records = [_repeat_record(WORDS[i % len(WORDS)] + " " * (i % 3)) for i in range(2400)]
     parallel = encode_chat_examples(demo_tokenizer, records, 1024, processes=2)
