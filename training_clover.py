@@ -24,6 +24,7 @@ tail is noised like the answer, so a visible pad means what it means at inferenc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import Trainer, TrainerCallback
 
 from .modeling_clover import draw_block_noise
 
@@ -52,6 +54,12 @@ class CloverDataCollator:
         complementary: also train every example with the complement of its mask (rate 1 - t): each token is
             then seen masked exactly once per pair, which lowers the variance of the loss.
         eps: the smallest noise level.
+        per_example_noise: draw each row's noise from its own generator, seeded by (seed, the feature's
+            `"example_index"`, `epoch`), instead of one generator per batch. The noise of an example then depends
+            neither on the batch it lands in nor on the number of processes training: N processes with batch B
+            draw the masks one process with batch N x B draws, and a resumed run draws the masks of an
+            uninterrupted one with no counter to restore. Every feature needs an integer `"example_index"`; set
+            `epoch` at each epoch (`ExampleNoiseEpoch` does it for Trainer).
     """
 
     pad_token_id: int
@@ -61,6 +69,7 @@ class CloverDataCollator:
     eps: float = 1e-3
     tail: str = "pad"
     mask_token_id: int | None = None
+    per_example_noise: bool = False
 
     def __post_init__(self):
         if self.tail not in ("pad", "mask"):
@@ -68,6 +77,7 @@ class CloverDataCollator:
         if self.tail == "mask" and self.mask_token_id is None:
             raise ValueError("tail='mask' needs mask_token_id (the model's config.mask_token_id).")
         self.calls = 0  # batches collated so far: the noise of batch i depends on (seed, i) only
+        self.epoch = 0  # per_example_noise: the epoch the examples are drawn for
 
     def next_generator(self) -> torch.Generator:
         """The noise generator of the next batch, seeded by (seed, batch index): a run resumed at batch i (set
@@ -76,9 +86,20 @@ class CloverDataCollator:
         self.calls += 1
         return generator
 
+    def example_generator(self, example_index: int) -> torch.Generator:
+        """The noise generator of one example in this epoch, seeded by (seed, example index, epoch) only."""
+        key = f"{self.seed}:{example_index}:{self.epoch}".encode()
+        return torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
+
     def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
         features = unpack_batch(features)
         for i, feature in enumerate(features):
+            if self.per_example_noise and not isinstance(feature.get("example_index"), int):
+                raise ValueError(
+                    f"Example {i} has no integer 'example_index' (got {feature.get('example_index')!r}): "
+                    "per_example_noise seeds each example's noise by its index; number the examples first "
+                    "(e.g. with `number_examples`)."
+                )
             if len(feature["prompt_ids"]) == 0:
                 raise ValueError(f"Example {i} has an empty prompt; block diffusion conditions on a prompt.")
             if len(feature["answer_ids"]) == 0:
@@ -111,7 +132,10 @@ class CloverDataCollator:
         block_ids = torch.full_like(input_ids, -1)
         block_ids[:, prompt_len:] = torch.arange(answer_len) // bs
 
-        noise_mask, noise_level = draw_block_noise(labels != -100, block_ids, bs, self.next_generator(), self.eps)
+        if self.per_example_noise:
+            noise_mask, noise_level = self._example_noise(features, labels != -100, block_ids, prompt_len)
+        else:
+            noise_mask, noise_level = draw_block_noise(labels != -100, block_ids, bs, self.next_generator(), self.eps)
         noise_mask |= tail_mask
         batch_out = {
             "input_ids": input_ids,
@@ -129,6 +153,81 @@ class CloverDataCollator:
             batch_out["noise_mask"] = torch.cat([noise_mask, complement])
             batch_out["noise_level"] = torch.cat([noise_level, complement_level])
         return batch_out
+
+    def _example_noise(self, features, supervised, block_ids, prompt_len):
+        """Each row's noise over its own answer blocks only, from its own generator: the same draws whatever the
+        padding of the batch around it (columns past the row's last block stay unmasked, at level 1)."""
+        noise_mask = torch.zeros_like(supervised)
+        noise_level = torch.ones(supervised.shape)
+        for row, feature in enumerate(features):
+            span = slice(prompt_len, prompt_len + -(-len(feature["answer_ids"]) // self.block_size) * self.block_size)
+            mask, level = draw_block_noise(
+                supervised[row : row + 1, span],
+                block_ids[row : row + 1, span],
+                self.block_size,
+                self.example_generator(feature["example_index"]),
+                self.eps,
+            )
+            noise_mask[row, span], noise_level[row, span] = mask[0], level[0]
+        return noise_mask, noise_level
+
+
+def number_examples(features: Sequence[dict], start: int = 0) -> list[dict]:
+    """Copies of `features` with `"example_index"` = start, start + 1, ...: the key of each example's noise under
+    `CloverDataCollator(per_example_noise=True)`."""
+    return [{**feature, "example_index": start + i} for i, feature in enumerate(features)]
+
+
+class ExampleNoiseEpoch(TrainerCallback):
+    """Tells a `per_example_noise` collator the epoch at the start of each one (a resumed run included), so an
+    example seen again in a later epoch gets fresh noise and a resumed run draws the masks an uninterrupted one
+    would."""
+
+    def __init__(self, collator: CloverDataCollator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = int(state.epoch + 1e-6)  # state.epoch: epochs done, with the fraction of this one
+
+
+def supervised_weight(batch: dict) -> torch.Tensor:
+    """The loss normaliser of a Clover batch: its supervised tokens, weighted by `label_weights` (the padding after
+    an answer's EOS counts as one token), as `CloverForBlockDiffusion`'s loss divides by."""
+    supervised = batch["labels"] != -100
+    if batch.get("label_weights") is None:
+        return supervised.sum().float()
+    return batch["label_weights"].masked_fill(~supervised, 0).sum().float()
+
+
+class CloverTrainer(Trainer):
+    """`transformers.Trainer` whose training loss is the mean over the supervised tokens of the whole optimizer
+    step: every micro-batch of the gradient accumulation on every process, not the mean of per-batch means.
+
+    `CloverForBlockDiffusion` divides each batch's loss by that batch's (weighted) supervised tokens. Trainer
+    divides by the accumulation steps and data parallelism averages over processes, so a batch with few tokens
+    would weigh as much as one with many, and N processes with batch B would not train like one process with
+    batch N x B. Here each batch's loss is rescaled by its share of the step's weighted tokens, summed over
+    processes (Trainer's `num_items_in_batch` count, weighted like the model's loss): the gradient is then that of
+    one batch holding all of them, whatever the number of processes and accumulation steps. The router's
+    auxiliary loss, a statistic of each batch, is averaged with the same weights.
+    """
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return batch_samples, None
+        total = sum(supervised_weight(batch) for batch in batch_samples).to(device)
+        if self.accelerator.num_processes > 1:
+            total = self.accelerator.gather(total.reshape(1)).sum()
+        return batch_samples, total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if num_items_in_batch is not None:  # training: Trainer then divides by the accumulation steps
+            share = supervised_weight(inputs).to(loss.device) / num_items_in_batch.clamp(min=1e-6)
+            loss = loss * share * self.accelerator.num_processes * self.current_gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
 
 
 @dataclass
@@ -278,9 +377,13 @@ def _encode_in_worker(record: dict) -> dict:
 __all__ = [
     "CausalChatCollator",
     "CloverDataCollator",
+    "CloverTrainer",
+    "ExampleNoiseEpoch",
     "encode_chat_example",
     "encode_chat_examples",
+    "number_examples",
     "read_chat_jsonl",
+    "supervised_weight",
     "token_budget_batches",
     "unpack_batch",
 ]

@@ -10,16 +10,30 @@ Each line: {"messages": [... ending with the assistant reply], "tools": [...]?, 
 held-out 5%), then saves with save_pretrained (LoRA adapters merged unless --keep-adapter), so the result loads
 with `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, with the run's loss log in
 learning_curve.json. The final save is atomic. With --checkpoint-dir, Trainer checkpoints (weights, optimizer,
-scheduler, RNG, data position, noise position) are kept there and a rerun resumes from the newest one.
+scheduler, RNG, data position) are kept there and a rerun resumes from the newest complete one.
+
+Several processes (DDP, FSDP, DeepSpeed) come from accelerate, with the configs in configs/:
+
+    accelerate launch --config_file configs/ddp.yaml scripts/train.py --model DIR --data train.jsonl --output OUT
+    accelerate launch --config_file configs/fsdp.yaml scripts/train.py ... --checkpoint-dir runs/x --save-steps 200
+
+Each process trains on its own shard of the data; --batch-size is per process (the global batch is batch size x
+processes x --gradient-accumulation-steps). An example's noise is seeded by (--seed, its index, the epoch), and
+the loss is the mean over the supervised tokens of the whole step, so N processes train like one process with the
+same global batch. The main process writes one consolidated checkpoint (FSDP: a full state dict gathered first).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
 import shutil
 import tempfile
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -27,16 +41,17 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 from clover.cli_clover import checkpoint_dir, run_main
 from clover.training_clover import (
     CloverDataCollator,
+    CloverTrainer,
+    ExampleNoiseEpoch,
     encode_chat_examples,
+    number_examples,
     read_chat_jsonl,
     token_budget_batches,
 )
@@ -68,7 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr-scheduler", default="linear", help="a transformers scheduler name, e.g. cosine")
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="examples per batch on each process")
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="batches per optimizer step on each process",
+    )
     parser.add_argument(
         "--batch-tokens",
         type=int,
@@ -91,14 +114,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=500, help="checkpoint interval with --checkpoint-dir")
     parser.add_argument(
         "--resume-from-checkpoint",
+        "--resume",
+        nargs="?",
+        const="last",
         default=None,
         metavar="PATH",
-        help="a checkpoint-N directory to resume from (default with --checkpoint-dir: its newest one)",
+        help="a checkpoint-N directory to resume from; alone (or 'last'): the newest complete one in "
+        "--checkpoint-dir, which a rerun with --checkpoint-dir also resumes from by default",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the result to this Hub repo")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gradient_accumulation_steps < 1:
+        parser.error(f"--gradient-accumulation-steps ({args.gradient_accumulation_steps}) must be 1 or more.")
+    if args.resume_from_checkpoint == "last" and not args.checkpoint_dir:
+        parser.error("--resume-from-checkpoint without a path resumes from --checkpoint-dir: pass that too.")
+    return args
 
 
 def load_examples(path: str, tokenizer, max_length: int) -> list[dict]:
@@ -119,8 +151,9 @@ def apply_lora(model, rank: int):
 
 
 def resume_point(args) -> str | None:
-    """The checkpoint to resume from: --resume-from-checkpoint, else the newest one in --checkpoint-dir."""
-    if args.resume_from_checkpoint:
+    """The checkpoint to resume from: --resume-from-checkpoint PATH, else the newest complete one in
+    --checkpoint-dir (a run killed while saving leaves a checkpoint without trainer_state.json, written last)."""
+    if args.resume_from_checkpoint and args.resume_from_checkpoint != "last":
         path = Path(args.resume_from_checkpoint)
         if not (path / "trainer_state.json").is_file():
             raise ValueError(
@@ -128,7 +161,18 @@ def resume_point(args) -> str | None:
             )
         return str(path)
     if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
-        return get_last_checkpoint(args.checkpoint_dir)
+        complete = [
+            (int(match.group(1)), path)
+            for path in Path(args.checkpoint_dir).iterdir()
+            if (match := re.fullmatch(r"checkpoint-(\d+)", path.name)) and (path / "trainer_state.json").is_file()
+        ]
+        if complete:
+            return str(max(complete)[1])
+    if args.resume_from_checkpoint == "last":
+        raise ValueError(
+            f"--resume-from-checkpoint: no complete checkpoint in {args.checkpoint_dir}; "
+            "drop the flag to start afresh."
+        )
     return None
 
 
@@ -148,16 +192,6 @@ def check_checkpoint_matches(checkpoint: str, model) -> None:
             f"where --model has {', '.join(f'{k}={ours.get(k)!r}' for k in differs)}): resume with the model it was "
             "trained from, or point --checkpoint-dir elsewhere."
         )
-
-
-class NoisePosition(TrainerCallback):
-    """Puts the collator's noise stream where a resumed run left it, so a resumed run draws the same masks."""
-
-    def __init__(self, collator: CloverDataCollator):
-        self.collator = collator
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.collator.calls = state.global_step * args.gradient_accumulation_steps
 
 
 def main(argv=None) -> None:
@@ -185,6 +219,9 @@ def main(argv=None) -> None:
         random.Random(args.seed).shuffle(train_set)
         cut = max(1, len(train_set) // 20)
         eval_set, train_set = train_set[:cut], train_set[cut:]
+    # Each example's noise is keyed by its index here, the same on every process.
+    train_set = number_examples(train_set)
+    eval_set = number_examples(eval_set, start=len(train_set)) if eval_set else None
     resume = resume_point(args)
     if resume:
         check_checkpoint_matches(resume, model)
@@ -195,12 +232,17 @@ def main(argv=None) -> None:
         model = apply_lora(model, args.lora)
         model.print_trainable_parameters()
 
+    training_args = training_arguments(args, has_eval=eval_set is not None)  # starts the process group, if any
+    main_process = training_args.process_index == 0
     output.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".clover-train-", dir=output.parent))  # same filesystem: rename is atomic
+    work = shared_work_dir(output.parent, training_args)
     try:
-        model = _train_and_save(args, model, tokenizer, train_set, eval_set, output, work, resume)
+        model = _train_and_save(args, training_args, model, tokenizer, train_set, eval_set, output, work, resume)
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # a half-written model goes, on failure too
+        if main_process:
+            shutil.rmtree(work, ignore_errors=True)  # a half-written model goes, on failure too
+    if not main_process:
+        return
     print(f"saved {output}")
     if args.push_to_hub:
         model.push_to_hub(args.push_to_hub)
@@ -208,18 +250,12 @@ def main(argv=None) -> None:
         print(f"pushed to {args.push_to_hub}")
 
 
-def _train_and_save(args, model, tokenizer, train_set, eval_set, output: Path, work: Path, resume: str | None):
-    """Trains (checkpoints in --checkpoint-dir, or none), saves in `work`, then swaps the result into `output`;
-    returns the model as saved."""
-    block_size = model.config.block_size
-    batch_size = args.batch_size
-    if args.batch_tokens:  # each item is a whole batch of similar-length examples
-        train_set = token_budget_batches(train_set, args.batch_tokens, args.seed, block_size)
-        eval_set = token_budget_batches(eval_set, args.batch_tokens, args.seed, block_size) if eval_set else None
-        batch_size = 1
+def training_arguments(args, has_eval: bool) -> TrainingArguments:
+    """The Trainer settings; under `accelerate launch` (or torchrun) they pick up the process group."""
+    batch_size = 1 if args.batch_tokens else args.batch_size  # --batch-tokens: each item is a whole batch
     checkpoints = args.checkpoint_dir is not None
-    training_args = TrainingArguments(
-        output_dir=args.checkpoint_dir if checkpoints else str(work / "checkpoints"),
+    return TrainingArguments(
+        output_dir=args.checkpoint_dir if checkpoints else None,  # without: set to the work dir before training
         num_train_epochs=args.epochs,
         max_steps=args.max_steps,
         learning_rate=args.lr,
@@ -228,7 +264,8 @@ def _train_and_save(args, model, tokenizer, train_set, eval_set, output: Path, w
         weight_decay=args.weight_decay,
         per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=batch_size,
-        eval_strategy="steps" if eval_set else "no",
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        eval_strategy="steps" if has_eval else "no",
         eval_steps=args.eval_steps,
         logging_steps=args.logging_steps or max(1, args.eval_steps // 5),
         save_strategy="steps" if checkpoints else "no",
@@ -239,29 +276,101 @@ def _train_and_save(args, model, tokenizer, train_set, eval_set, output: Path, w
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
     )
+
+
+def shared_work_dir(parent: Path, training_args: TrainingArguments) -> Path:
+    """A fresh directory next to the output (same filesystem: the final rename is atomic), made by the main process
+    and named to every process."""
+    name = [tempfile.mkdtemp(prefix=".clover-train-", dir=parent) if training_args.process_index == 0 else None]
+    if training_args.world_size > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def _train_and_save(
+    args, training_args, model, tokenizer, train_set, eval_set, output: Path, work: Path, resume: str | None
+):
+    """Trains (checkpoints in --checkpoint-dir, or none), saves in `work` from the main process, then swaps the
+    result into `output`; returns the model as saved (on the main process)."""
+    block_size = model.config.block_size
+    if args.batch_tokens:  # each item is a whole batch of similar-length examples
+        train_set = token_budget_batches(train_set, args.batch_tokens, args.seed, block_size)
+        eval_set = token_budget_batches(eval_set, args.batch_tokens, args.seed, block_size) if eval_set else None
+    if args.checkpoint_dir is None:
+        training_args.output_dir = str(work / "checkpoints")
     collator = CloverDataCollator(
-        tokenizer.pad_token_id, block_size, args.seed, args.complementary, eps=args.noise_eps
+        tokenizer.pad_token_id, block_size, args.seed, args.complementary, eps=args.noise_eps, per_example_noise=True
     )
-    trainer = Trainer(
+    trainer: Trainer = CloverTrainer(
         model=model,
         args=training_args,
         train_dataset=train_set,
         eval_dataset=eval_set,
         data_collator=collator,
-        callbacks=[NoisePosition(collator)],
+        callbacks=[ExampleNoiseEpoch(collator)],
     )
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
+        # accelerate enables FSDP only on accelerators; on CPU it trains plain data parallel instead.
+        warnings.warn(
+            "The accelerate config asks for FSDP, but accelerate runs FSDP on GPUs (or other accelerators) only: "
+            f"training data parallel ({trainer.accelerator.distributed_type.value}) instead, every process "
+            "holding the whole model. Use configs/ddp.yaml on CPU to say so.",
+            stacklevel=1,
+        )
     trainer.train(resume_from_checkpoint=resume)
+    main_process = training_args.process_index == 0
+    if main_process:
+        print(describe_parallelism(trainer))
 
-    if args.lora and not args.keep_adapter:
-        model = model.merge_and_unload()
     final = work / "model"
-    model.save_pretrained(final)
+    sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+    if args.lora and not args.keep_adapter and sharded:
+        # Each process holds a shard: gather the adapter, then merge it into a fresh copy of the base.
+        trainer.save_model(str(work / "adapter"))
+        if main_process:
+            from peft import PeftModel
+
+            base = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
+            model = PeftModel.from_pretrained(base, work / "adapter").merge_and_unload()
+            model.save_pretrained(final)
+    elif args.lora and not args.keep_adapter:
+        model = model.merge_and_unload()
+        if main_process:
+            model.save_pretrained(final)
+    else:
+        trainer.save_model(str(final))  # FSDP: the full state dict, gathered; written by the main process only
+        if main_process:
+            (final / "training_args.bin").unlink(missing_ok=True)  # Trainer's pickle: not part of a checkpoint
+            if sharded:  # the model here is a shard: the saved checkpoint is the whole one
+                model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
+    trainer.accelerator.wait_for_everyone()
+    if not main_process:
+        return model
     tokenizer.save_pretrained(final)
     (final / "learning_curve.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     if output.exists():
         shutil.rmtree(output)
     final.rename(output)  # whole or nothing: the previous output survives any failure before this line
     return model
+
+
+def describe_parallelism(trainer) -> str:
+    """How the run was spread: processes, engine, and for FSDP the units it sharded the model into."""
+    processes = trainer.accelerator.num_processes
+    engine = trainer.accelerator.distributed_type.value
+    line = f"trained on {processes} process{'es' if processes > 1 else ''} ({engine})"
+    if trainer.is_fsdp_enabled:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        units = Counter(
+            type(module.module).__name__
+            if isinstance(module, FullyShardedDataParallel)
+            else type(module).__name__.removeprefix("FSDP")
+            for module in trainer.model_wrapped.modules()
+            if isinstance(module, (FSDPModule, FullyShardedDataParallel))
+        )
+        line += ", FSDP units: " + ", ".join(f"{name} x{count}" for name, count in units.items())
+    return line
 
 
 if __name__ == "__main__":
