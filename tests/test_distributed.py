@@ -6,13 +6,13 @@ rest on."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -62,7 +62,9 @@ def _assert_same_weights(a: Path, b: Path, atol: float) -> None:
     first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert first.keys() == second.keys()
     for name in first:
-        torch.testing.assert_close(second[name], first[name], rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(
+            second[name], first[name], rtol=0, atol=atol, msg=lambda text, name=name: f"{name}: {text}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,9 @@ def data(tmp_path_factory) -> Path:
 
 
 RUN = ["--max-steps", "3", "--logging-steps", "1", "--lr", "1e-3", "--seed", "0"]
+# Adam turns float noise in a near-zero gradient into a step of up to lr, so equal runs whose sums are merely ordered
+# differently end up to ~1e-5 apart; averaging per-batch means instead of the step's token mean: ~4e-3.
+WEIGHTS_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +109,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(one_process, da
     reference, losses = _losses(one_process), _losses(output)
     assert len(reference) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=0)
-    _assert_same_weights(one_process, output, atol=1e-5)
+    _assert_same_weights(one_process, output, atol=WEIGHTS_ATOL)
     # One consolidated checkpoint, written once, loading with its own code; and training moved it.
     model = AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True)
     assert type(model).__name__ == "CloverForBlockDiffusion"
@@ -118,7 +123,7 @@ def test_gradient_accumulation_trains_like_the_bigger_batch(one_process, data, t
     output = tmp_path / "accumulated"
     _train(["--data", str(data), "--output", str(output), "--batch-size", "2", "--grad-accum", "2", *RUN])
     torch.testing.assert_close(torch.tensor(_losses(output)), torch.tensor(_losses(one_process)), rtol=1e-5, atol=0)
-    _assert_same_weights(one_process, output, atol=1e-5)
+    _assert_same_weights(one_process, output, atol=WEIGHTS_ATOL)
 
 
 @pytest.mark.slow
@@ -128,7 +133,7 @@ def test_lora_under_data_parallelism_is_merged_like_one_process(data, tmp_path):
     _train(["--data", str(data), "--output", str(one), "--batch-size", "4", *lora])
     _train(["--data", str(data), "--output", str(two), "--batch-size", "2", *lora], processes=2)
     assert not (two / "adapter_config.json").exists()  # merged: a plain checkpoint
-    _assert_same_weights(one, two, atol=1e-5)
+    _assert_same_weights(one, two, atol=1e-4)  # lr 1e-2 under Adam: 1% of how far the weights move
     torch.testing.assert_close(torch.tensor(_losses(two)), torch.tensor(_losses(one)), rtol=1e-5, atol=0)
 
 
@@ -145,7 +150,6 @@ def _kill_after_first_checkpoint(argv: list[str], processes: int, checkpoints: P
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     deadline = time.monotonic() + 300
     try:
@@ -153,8 +157,11 @@ def _kill_after_first_checkpoint(argv: list[str], processes: int, checkpoints: P
             assert process.poll() is None, "the run ended before its first checkpoint"
             assert time.monotonic() < deadline, "no checkpoint within 300 s"
             time.sleep(0.02)
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
+    finally:  # the launcher and every process under it (torch's launcher starts its workers in sessions of their own)
+        victims = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        for victim in victims:
+            victim.kill()
+        psutil.wait_procs(victims, timeout=60)
         process.wait()
 
 
@@ -238,7 +245,7 @@ def test_fsdp_config_on_cpu_trains_data_parallel_and_warns(one_process, data, tm
     argv = ["--data", str(data), "--output", str(output), "--batch-size", "2", *RUN]
     log = _train(argv, processes=2, config="fsdp.yaml")
     assert "accelerate runs FSDP on GPUs" in log and "trained on 2 processes (MULTI_CPU)" in log
-    _assert_same_weights(one_process, output, atol=1e-5)
+    _assert_same_weights(one_process, output, atol=WEIGHTS_ATOL)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -289,3 +296,11 @@ def test_resume_without_a_path_needs_a_checkpoint_dir(data, tmp_path):
     )
     assert result.returncode == 2
     assert "--resume-from-checkpoint without a path resumes from --checkpoint-dir: pass that too" in result.stderr
+
+
+def test_deepspeed_config_is_zero3_and_saves_one_checkpoint():
+    launch = yaml.safe_load((CONFIGS / "deepspeed_zero3.yaml").read_text())
+    assert launch["distributed_type"] == "DEEPSPEED"
+    ds = json.loads((REPO / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
