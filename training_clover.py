@@ -221,6 +221,13 @@ class CloverTrainer(Trainer):
             total = self.accelerator.gather(total.reshape(1)).sum()
         return batch_samples, total
 
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # transformers 5.2 loads a resumed optimizer with map_location=args.device, which is "cpu:0" on several CPU
+        # processes, a location torch.load has no deserializer for: give it one (an indexed CPU is the CPU).
+        if checkpoint is not None and self.args.device.type == "cpu" and self.args.world_size > 1:
+            _accept_indexed_cpu_locations()
+        return super()._load_optimizer_and_scheduler(checkpoint)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
@@ -228,6 +235,17 @@ class CloverTrainer(Trainer):
             share = supervised_weight(inputs).to(loss.device) / num_items_in_batch.clamp(min=1e-6)
             loss = loss * share * self.accelerator.num_processes * self.current_gradient_accumulation_steps
         return (loss, outputs) if return_outputs else loss
+
+
+_INDEXED_CPU_REGISTERED = []
+
+
+def _accept_indexed_cpu_locations() -> None:
+    if not _INDEXED_CPU_REGISTERED:
+        torch.serialization.register_package(
+            11, lambda storage: None, lambda obj, location: obj if location.startswith("cpu:") else None
+        )
+        _INDEXED_CPU_REGISTERED.append(True)
 
 
 @dataclass
