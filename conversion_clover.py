@@ -48,7 +48,13 @@ MASK_TOKEN = "<|mask|>"
 DEFAULT_MASK_TOKEN_ID = 248077  # the first free id after Qwen3.5's added tokens (docs/DESIGN.md §2)
 QWEN3_5_NUM_RANKS = 248_044  # Qwen3.5's BPE vocabulary: ids [0, 248044) are ordinary tokens
 # The files a checkpoint carries and runs under trust_remote_code (modeling imports the others).
-CODE_FILES = ("configuration_clover.py", "modeling_clover.py", "generation_clover.py", "cache_clover.py")
+CODE_FILES = (
+    "configuration_clover.py",
+    "modeling_clover.py",
+    "generation_clover.py",
+    "cache_clover.py",
+    "quantization_clover.py",
+)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

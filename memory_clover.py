@@ -353,8 +353,9 @@ def measured_weight_bytes(model: nn.Module) -> int:
         add(getattr(parameter, "SCB", None))
     for module in model.modules():
         add_quant_state(getattr(module, "quant_state", None))  # bitsandbytes' Bnb4bitParametrization
-        if getattr(module, "is_clover_int8_parametrization", False):
-            add(module.scale)
+        if getattr(module, "is_clover_quantization", False):  # quantization_clover's expert statistics
+            for buffer in module.buffers(recurse=False):
+                add(buffer)
     return total
 
 

@@ -1,8 +1,14 @@
-"""bitsandbytes quantization on CPU: `from_pretrained(quantization_config=...)` converts only nn.Linear, and
-`quantize_experts` converts the fused 3D experts. Memory is checked against memory_clover's arithmetic to the byte,
+"""bitsandbytes quantization on CPU: `from_pretrained(quantization_config=...)` converts the nn.Linear layers
+(transformers) and the fused 3D experts as they load (Clover); `quantize_experts` converts the experts of a model
+in memory; a quantized model saves a pre-quantized checkpoint. Memory is checked against memory_clover's arithmetic to the byte,
 and the logits against the unquantized model. Tiny bf16 model; skipped without bitsandbytes."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +18,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from clover.memory_clover import measured_weight_bytes, weight_bytes
 from clover.modeling_clover import CloverForBlockDiffusion
-from clover.quantization_clover import CloverInt8Dequantize, fused_expert_modules, quantize_experts
+from clover.quantization_clover import CloverInt8Dequantize, fused_expert_modules, quantize_experts, quantize_tensor
+from clover.training_clover import CloverDataCollator
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install bitsandbytes)")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes' fp16 cast notes on CPU
@@ -46,32 +53,107 @@ def checkpoint(tiny_config, tmp_path_factory):
     return model, path
 
 
-def load_quantized(path, quant_type: str):
-    if quant_type == "nf4":
+QUANT_TYPES = ["nf4", "fp4-double", "int8"]  # fp4-double: fp4 with double-quantized statistics
+
+
+def load_quantized(path, quant_type: str, skip: list[str] = ()):
+    """from_pretrained with a bitsandbytes config: "nf4", "fp4-double" (4-bit) or "int8" (8-bit)."""
+    skip_modules = SKIP_MODULES + list(skip)
+    if quant_type == "int8":
+        config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
+    else:
         config = BitsAndBytesConfig(
             load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
+            bnb_4bit_quant_type=quant_type.split("-")[0],
+            bnb_4bit_use_double_quant=quant_type.endswith("-double"),
             bnb_4bit_compute_dtype=torch.bfloat16,
-            llm_int8_skip_modules=SKIP_MODULES,
+            llm_int8_skip_modules=skip_modules,
         )
-    else:
-        config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=SKIP_MODULES)
     return AutoModelForCausalLM.from_pretrained(
         path, trust_remote_code=True, dtype=torch.bfloat16, quantization_config=config
     )
 
 
-def test_bitsandbytes_config_alone_leaves_the_experts_in_16bit(checkpoint):
+def test_bitsandbytes_config_quantizes_the_experts_as_they_load(checkpoint):
     model = load_quantized(checkpoint[1], "nf4")
     assert type(model.model.layers[0].mlp.shared_expert.up_proj).__name__ == "Linear4bit"
     for _, experts in fused_expert_modules(model):
+        for name in ("gate_up_proj", "down_proj"):
+            assert experts.parametrizations[name].original.dtype == torch.uint8
+            assert getattr(experts, name).dtype == torch.bfloat16  # what the forward reads: dequantized
+    assert model.config.experts_quantization == {"quant_type": "nf4", "blocksize": 64, "double_quant": False}
+
+
+def test_experts_in_skip_modules_stay_16bit(checkpoint):
+    model = load_quantized(checkpoint[1], "nf4", skip=["experts"])
+    for _, experts in fused_expert_modules(model):
         assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.bfloat16
+        assert not hasattr(experts, "parametrizations")
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_quantizing_at_load_equals_quantizing_after_it(checkpoint, quant_type):
+    at_load = load_quantized(checkpoint[1], quant_type)
+    after = load_quantized(checkpoint[1], quant_type, skip=["experts"])
+    quantize_experts(
+        after, "fp4" if quant_type == "fp4-double" else quant_type, compress_statistics="double" in quant_type
+    )
+    ids = random_ids(2, 24)
+    torch.testing.assert_close(logits_of(at_load, ids), logits_of(after, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_quantized_model_saves_a_pre_quantized_checkpoint(checkpoint, quant_type, tmp_path):
+    model = load_quantized(checkpoint[1], quant_type)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["experts_quantization"] == model.config.experts_quantization
+    file_bytes = (tmp_path / "model.safetensors").stat().st_size
+    assert file_bytes < 1.05 * measured_weight_bytes(model) + 64_000  # the quantized size, plus the safetensors header
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.bfloat16)
+    for (_, a), (_, b) in zip(fused_expert_modules(model), fused_expert_modules(reloaded), strict=True):
+        for name in ("gate_up_proj", "down_proj"):  # loaded as stored, not quantized again from 16-bit
+            assert torch.equal(a.parametrizations[name].original, b.parametrizations[name].original)
+            for key, buffer in a.parametrizations[name][0].named_buffers():
+                assert buffer.dtype == torch.float32 or buffer.dtype == torch.uint8, key
+                assert torch.equal(buffer, b.parametrizations[name][0].get_buffer(key)), key
+    ids = random_ids(2, 24)
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(model, ids), rtol=0, atol=0)
+    prompt = random_ids(1, 10)
+    assert torch.equal(
+        reloaded.generate(prompt, max_new_tokens=12, do_sample=False),
+        model.generate(prompt, max_new_tokens=12, do_sample=False),
+    )
+
+
+def test_a_partly_quantized_model_refuses_to_save(checkpoint, tmp_path):
+    model = copy.deepcopy(checkpoint[0])
+    experts = fused_expert_modules(model)[0][1]
+    quantize_tensor(experts, "gate_up_proj", {"quant_type": "int8", "blocksize": None, "double_quant": False})
+    with pytest.raises(ValueError, match="more than one format"):
+        model.save_pretrained(tmp_path)
+
+
+def test_qlora_trains_adapters_on_a_4bit_model(checkpoint):
+    peft = pytest.importorskip("peft")
+    model = load_quantized(checkpoint[1], "nf4")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"]))
+    model.train()
+    prompts, answers = random_ids(2, 10), random_ids(2, 12, seed=1)
+    features = [{"prompt_ids": p.tolist(), "answer_ids": a.tolist()} for p, a in zip(prompts, answers, strict=True)]
+    batch = CloverDataCollator(model.config.pad_token_id, model.config.block_size, seed=0)(features)
+    loss = model(**batch).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for name, p in model.named_parameters() if "lora_B" in name]
+    assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
+    assert not any(p.requires_grad for name, p in model.named_parameters() if "experts" in name)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "int8"])
 def test_quantize_experts_after_a_bitsandbytes_load(checkpoint, quant_type):
     reference, path = checkpoint
-    model = load_quantized(path, quant_type)
+    model = load_quantized(path, quant_type, skip=["experts"])
     config = model.config
 
     def predicted(**options):
@@ -134,3 +216,70 @@ def test_quantize_experts_rejects_bad_input():
         quantize_experts(nn.Linear(4, 4), "int4")
     with pytest.raises(ValueError, match="no fused experts"):
         quantize_experts(nn.Linear(4, 4), "nf4")
+
+
+PEAK_OF_A_LOAD = """
+import gc, json, sys, threading, time, torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from clover.memory_clover import measured_weight_bytes
+from clover.quantization_clover import fused_expert_modules
+
+def anonymous_bytes():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+SKIP_MODULES = json.loads(sys.argv[2])
+
+def load():
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                                llm_int8_skip_modules=SKIP_MODULES)
+    return AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16,
+                                                quantization_config=config)
+
+warm = load()  # the first load also initialises bitsandbytes and imports the remote code: not the model's memory
+del warm
+gc.collect()
+start = anonymous_bytes()
+peak, done = [start], []
+
+def watch():
+    while not done:
+        peak[0] = max(peak[0], anonymous_bytes())
+        time.sleep(0.0002)
+
+watcher = threading.Thread(target=watch, daemon=True)
+watcher.start()
+model = load()
+done.append(True)
+watcher.join()
+experts = [m for _, m in fused_expert_modules(model)]
+expert_bytes = sum(t.numel() * t.element_size() for m in experts for t in [*m.parameters(), *m.buffers()])
+print(json.dumps({"peak": peak[0] - start, "weights": measured_weight_bytes(model), "expert_bytes": expert_bytes}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc (Linux)")
+def test_a_4bit_load_peaks_at_the_quantized_model_plus_one_layer(tiny_config, tmp_path):
+    """64 experts of 256 x 256: 25 MB of bf16 experts per layer, 100 MB in all. The peak of the load's anonymous
+    memory (the 16-bit tensors are read through the file's memory map) stays within the quantized model plus one
+    layer's 16-bit experts, and the experts end at <= 30% of their bf16 bytes."""
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=64,
+                         num_experts=64, num_experts_per_tok=8)  # fmt: skip
+    model = CloverForBlockDiffusion(config).to(torch.bfloat16)
+    bf16_expert_bytes = sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for _, m in fused_expert_modules(model))
+    one_layer = bf16_expert_bytes // config.num_hidden_layers
+    model.save_pretrained(tmp_path)
+    del model
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed memory goes back at once
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_OF_A_LOAD, str(tmp_path), json.dumps(SKIP_MODULES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["expert_bytes"] <= 0.30 * bf16_expert_bytes
+    assert measured["peak"] <= measured["weights"] + one_layer, measured

@@ -27,6 +27,10 @@ class CloverConfig(PretrainedConfig):
             Training only: the weight of a next-token loss on the clean sequence (a causal forward, as in the
             autoregressive base) added to the block-diffusion loss. It keeps a converted base's causal ability,
             which self-speculative decoding verifies with.
+        experts_quantization (`dict`, *optional*):
+            How the routed experts are stored, written by quantization (see `quantization_clover`) and read back by
+            `from_pretrained`: `{"quant_type": "nf4" | "fp4" | "int8", "blocksize": int, "double_quant": bool}`.
+            None (the default) stores them in 16-bit, as the release does.
         rope_parameters (`dict`, *optional*):
             `{"rope_type": "default", "rope_theta": ..., "partial_rotary_factor": ...}`; only the default RoPE is
             supported (the text positions of Qwen3.5's mRoPE are plain RoPE).
@@ -94,6 +98,7 @@ class CloverConfig(PretrainedConfig):
         pad_token_id: int | None = 248044,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = 248046,
+        experts_quantization: dict | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -123,6 +128,7 @@ class CloverConfig(PretrainedConfig):
         self.causal_loss_weight = causal_loss_weight
         self.block_size = block_size
         self.mask_token_id = mask_token_id
+        self.experts_quantization = experts_quantization
 
         # Qwen3.5 checkpoints spell the partial rotary factor and theta at the top level or inside rope_parameters.
         rope_parameters = dict(rope_parameters or {})

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -28,6 +29,14 @@ from transformers.utils import ModelOutput, logging
 from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig
 from .generation_clover import CloverDecodingState, CloverGenerationConfig, CloverGenerationMixin
+from .quantization_clover import (
+    EXPERT_PARAMETERS,
+    FP32_STATISTICS,
+    load_time_spec,
+    prepare_quantized_storage,
+    quantize_tensor,
+    stored_spec,
+)
 
 try:
     from transformers.integrations import use_experts_implementation
@@ -558,7 +567,11 @@ class CloverMLP(nn.Module):
 @use_experts_implementation
 class CloverExperts(nn.Module):
     """The routed experts as two fused 3D tensors: gate_up_proj (experts, 2 * inter, hidden), down_proj (experts,
-    hidden, inter). `config._experts_implementation` picks this eager loop or transformers' grouped_mm kernels."""
+    hidden, inter). `config._experts_implementation` picks this eager loop or transformers' grouped_mm kernels.
+
+    Quantized experts (see `quantization_clover`): a checkpoint saved quantized (`config.experts_quantization`) is
+    built in its storage format and loads as it is; a 16-bit checkpoint loaded with a bitsandbytes
+    `quantization_config` has each tensor quantized as the loader assigns it."""
 
     def __init__(self, config: CloverConfig):
         super().__init__()
@@ -566,6 +579,16 @@ class CloverExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size))  # fmt: skip
         self.down_proj = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, config.moe_intermediate_size))  # fmt: skip
         self.act_fn = ACT2FN[config.hidden_act]
+        if config.experts_quantization:
+            prepare_quantized_storage(self, config.experts_quantization)
+        self._quantize_on_assign = load_time_spec(config)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        spec = self.__dict__.get("_quantize_on_assign")
+        loaded = isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type != "meta"
+        if spec and name in EXPERT_PARAMETERS and loaded and not parametrize.is_parametrized(self, name):
+            quantize_tensor(self, name, spec)  # the loader's 16-bit tensor goes as soon as it is quantized
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         output = torch.zeros_like(hidden_states)
@@ -665,6 +688,18 @@ class CloverPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _is_stateful = True
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\."]
+    _keep_in_fp32_modules_strict = [FP32_STATISTICS]  # quantized experts' statistics
+
+    def post_init(self):
+        super().post_init()
+        if spec := load_time_spec(self.config):  # every CloverExperts quantizes its tensors as the loader assigns them
+            self.config.experts_quantization = spec
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # The config records how the experts are stored, so from_pretrained builds them in that format (a quantized
+        # model saves a pre-quantized checkpoint; see quantization_clover).
+        self.config.experts_quantization = stored_spec(self)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -688,7 +723,7 @@ class CloverPreTrainedModel(PreTrainedModel):
             init.ones_(module.dt_bias)
             # Decay rates spread over [1, 16] so heads remember on different time scales.
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
-        elif isinstance(module, CloverExperts):
+        elif isinstance(module, CloverExperts) and not parametrize.is_parametrized(module):  # quantized: as loaded
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, CloverRouter):
