@@ -411,6 +411,8 @@ def main(argv=None) -> None:
     check_output(Path(args.base_output), run, "base", args.force)
     check_output(Path(args.output), run, "adapt", args.force)
     resume = args.resume_from
+    if resume and not (Path(resume) / "trainer_state.json").is_file():  # refused before any stage runs
+        raise ValueError(f"--resume-from {resume}: no Trainer checkpoint there (no trainer_state.json).")
     for stage in STAGES:
         if stage not in args.stages:
             continue

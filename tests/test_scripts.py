@@ -3,6 +3,7 @@ stderr naming the value and the fix, never a traceback. Each case runs the scrip
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,6 +31,14 @@ CASES = {
         r"No checkpoint at no-such-checkpoint \(no config.json there\): pass --model DIR",
     ),
     "train_demo.py": (lambda tmp: ["--layers", "lxf", "--work", str(tmp / "work")], r"--layers \('lxf'\) must be"),
+    "train_demo.py: existing output": (
+        lambda tmp: ["--output", str(trained_model(tmp)), "--work", str(tmp / "work"), "--stages", "data"],
+        r"trained exists and this run did not write it; pass --force to replace it",
+    ),
+    "train_demo.py: missing checkpoint": (
+        lambda tmp: [*demo_dirs(tmp), "--resume-from", MISSING],
+        r"--resume-from no-such-checkpoint: no Trainer checkpoint there",
+    ),
     "eval_demo.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
     "bench.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
     "build_tokenizer.py": (lambda tmp: ["--output", str(a_file(tmp))], r"a-file is a file: pass a directory"),
@@ -37,6 +46,17 @@ CASES = {
     "memory.py": (lambda tmp: ["--config", "nope.json"], r"--config 'nope.json' is neither '35B' nor a config.json"),
     "sync_model_code.py": (lambda tmp: [MISSING], r"No checkpoint at no-such-checkpoint"),
 }
+
+
+def trained_model(tmp: Path) -> Path:
+    path = tmp / "trained"
+    path.mkdir()
+    (path / "model.safetensors").write_text("weights someone trained")
+    return path
+
+
+def demo_dirs(tmp: Path) -> list[str]:
+    return ["--output", str(tmp / "clover"), "--base-output", str(tmp / "base"), "--work", str(tmp / "work")]
 
 
 def a_file(tmp: Path) -> Path:
@@ -68,3 +88,41 @@ def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
 def test_every_script_has_a_case():
     scripts = {path.name for path in (REPO / "scripts").glob("*.py")}
     assert scripts == {case.split(":")[0] for case in CASES}
+
+
+def run_script(name: str, *arguments: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / name), *arguments],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
+    existing = trained_model(tmp_path)
+    result = run_script("train_demo.py", "--output", str(existing), "--work", str(tmp_path / "w"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (existing / "model.safetensors").read_text() == "weights someone trained"
+    assert not (tmp_path / "w" / "train.jsonl").exists()  # refused before any stage ran
+
+
+def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
+    small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200"]
+    data = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
+    assert data.returncode == 0, data.stderr[-2000:]
+    foreign = tmp_path / "checkpoint-7"
+    foreign.mkdir()
+    (foreign / "trainer_state.json").write_text("{}")
+    (foreign / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    result = run_script(
+        "train_demo.py", *demo_dirs(tmp_path), "--stages", "base", *small, "--resume-from", str(foreign), cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "is a checkpoint of another model (model_type='llama'" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "work" / "base").exists() or not any((tmp_path / "work" / "base").iterdir())
