@@ -32,7 +32,7 @@ CASES = {
     ),
     "train_demo.py": (lambda tmp: ["--layers", "lxf", "--work", str(tmp / "work")], r"--layers \('lxf'\) must be"),
     "train_demo.py: existing output": (
-        lambda tmp: ["--output", str(trained_model(tmp)), "--work", str(tmp / "work"), "--stages", "data"],
+        lambda tmp: [*demo_dirs(tmp), "--output", str(trained_model(tmp)), "--stages", "data"],
         r"trained exists and this run did not write it; pass --force to replace it",
     ),
     "train_demo.py: missing checkpoint": (
@@ -104,10 +104,10 @@ def run_script(name: str, *arguments: str, cwd: Path) -> subprocess.CompletedPro
 
 def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
     existing = trained_model(tmp_path)
-    result = run_script("train_demo.py", "--output", str(existing), "--work", str(tmp_path / "w"), cwd=tmp_path)
+    result = run_script("train_demo.py", *demo_dirs(tmp_path), "--output", str(existing), cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert (existing / "model.safetensors").read_text() == "weights someone trained"
-    assert not (tmp_path / "w" / "train.jsonl").exists()  # refused before any stage ran
+    assert not (tmp_path / "work" / "train.jsonl").exists()  # refused before any stage ran
 
 
 def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):

@@ -51,15 +51,15 @@ def test_shipped_model_carries_the_current_code_files():
 def test_shipped_model_loads_as_remote_code_and_is_small(model):
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
     assert type(model).__name__ == "CloverForBlockDiffusion"
-    assert sum(f.stat().st_size for f in SHIPPED.iterdir()) < 20 * 2**20
+    assert sum(f.stat().st_size for f in SHIPPED.iterdir()) < 32 * 2**20
     assert type(model.generation_config).__name__ == "CloverGenerationConfig"
     assert model.generation_config.threshold == 0.95
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the shipped demo model has the formats but does not yet copy from the prompt (eval_demo: 0% exact "
-    "match at 0.95); remove this marker once a retrained model reaches the targets",
+    reason="the shipped demo model does not reach the targets yet (eval_demo at 0.95: 7% exact match, 1.24 tokens "
+    "per forward; its AR base 35%); remove this marker once a retrained model reaches them",
 )
 def test_shipped_model_answers_right_at_three_tokens_per_forward(model, tokenizer):
     ids = torch.tensor([_chat_ids(tokenizer, "What is 4821 + 377?")])
@@ -124,3 +124,19 @@ def test_generate_script_streams_and_reports_speed():
     assert "[thinking]" in result.stdout, result.stdout
     last = result.stdout.strip().splitlines()[-1]
     assert "new tokens" in last and "tokens/forward" in last and "tok/s" in last, last
+
+
+BASE = REPO / "models" / "qwen3_5_moe-tiny-demo"
+
+
+def test_shipped_base_is_a_plain_qwen3_5_moe_checkpoint():
+    """The AR base Clover was converted from: transformers' own class, no remote code, Clover's layer layout."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(BASE)
+    assert type(base) is Qwen3_5MoeForCausalLM
+    assert not any(path.suffix == ".py" for path in BASE.iterdir())
+    assert sum(f.stat().st_size for f in BASE.iterdir()) < 32 * 2**20
+    clover = json.loads((SHIPPED / "config.json").read_text())
+    assert base.config.layer_types == clover["layer_types"]
+    assert base.config.hidden_size == clover["hidden_size"] and base.config.vocab_size == clover["vocab_size"]
