@@ -61,7 +61,7 @@ def load_time_spec(config) -> dict | None:
     if quantization.get("quant_method") != "bitsandbytes":
         return None
     skipped = quantization.get("llm_int8_skip_modules") or []
-    if any(name == "experts" or name.endswith(".experts") or name.endswith("mlp.experts") for name in skipped):
+    if any(name == "experts" or name.endswith(".experts") for name in skipped):
         return None
     if quantization.get("load_in_4bit"):
         return experts_spec(

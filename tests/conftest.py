@@ -2,6 +2,9 @@
 a checkpoint carries, and the `--runslow` switch. Test modules import the helpers with `from conftest import ...`."""
 
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from clover.configuration_clover import CloverConfig
 from clover.conversion_clover import CODE_FILES
 from clover.modeling_clover import CloverForBlockDiffusion
 
-__all__ = ["CODE_FILES", "qwen_config_from", "random_ids", "spy_experts_kernel"]
+__all__ = ["CODE_FILES", "qwen_config_from", "random_ids", "run_python", "spy_experts_kernel"]
 
 TINY_FIELDS = dict(
     vocab_size=128,
@@ -36,6 +39,19 @@ TINY_FIELDS = dict(
     block_size=8,
     mask_token_id=127,
 )
+
+
+def run_python(*arguments: str, cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python ARGUMENTS` in a fresh process as a user runs it: stdin closed, offline, one thread."""
+    return subprocess.run(
+        [sys.executable, *arguments],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def random_ids(*shape, seed=0) -> torch.Tensor:

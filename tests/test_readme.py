@@ -3,13 +3,11 @@ repository's models/ reachable, finishing without a remote-code prompt or a mode
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -26,15 +24,7 @@ def test_readme_has_the_snippets_this_checks():
 
 @pytest.mark.parametrize("heading", ["Using it from Transformers"])
 def test_readme_snippet_runs_as_written_without_prompts_or_warnings(heading):
-    result = subprocess.run(
-        [sys.executable, "-c", SNIPPETS[heading]],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        cwd=REPO,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
+    result = run_python("-c", SNIPPETS[heading], cwd=REPO)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     for text in SILENT:

@@ -4,13 +4,11 @@ stderr naming the value and the fix, never a traceback. Each case runs the scrip
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"
@@ -59,6 +57,10 @@ def demo_dirs(tmp: Path) -> list[str]:
     return ["--output", str(tmp / "clover"), "--base-output", str(tmp / "base"), "--work", str(tmp / "work")]
 
 
+def run_script(name: str, *arguments: str, cwd: Path):
+    return run_python(str(REPO / "scripts" / name), *arguments, cwd=cwd, timeout=600)
+
+
 def a_file(tmp: Path) -> Path:
     path = tmp / "a-file"
     path.write_text("not a directory")
@@ -68,16 +70,7 @@ def a_file(tmp: Path) -> Path:
 @pytest.mark.parametrize("case", list(CASES))
 def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
     arguments, message = CASES[case]
-    script = REPO / "scripts" / case.split(":")[0]
-    result = subprocess.run(
-        [sys.executable, str(script), *arguments(tmp_path)],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        cwd=tmp_path,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
+    result = run_script(case.split(":")[0], *arguments(tmp_path), cwd=tmp_path)
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -88,18 +81,6 @@ def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
 def test_every_script_has_a_case():
     scripts = {path.name for path in (REPO / "scripts").glob("*.py")}
     assert scripts == {case.split(":")[0] for case in CASES}
-
-
-def run_script(name: str, *arguments: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / name), *arguments],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        cwd=cwd,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
 
 
 def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
