@@ -139,6 +139,8 @@ class Run:
             self.stages = record["stages"]
             for stage, ours in self.settings.items():
                 theirs = record["settings"].get(stage, ours)
+                if stage == "base" and self._extends_base(theirs, ours):
+                    continue
                 if theirs != ours and self.started(stage):
                     changes = ", ".join(f"{k}: {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
                     raise ValueError(
@@ -147,6 +149,25 @@ class Run:
                     )
         self.work.mkdir(parents=True, exist_ok=True)
         self.save()
+
+    def _extends_base(self, theirs: dict, ours: dict) -> bool:
+        """A finished base trained on with a larger --base-steps: it resumes from its last checkpoint (the cosine
+        schedule is then that of the new length, so the learning rate rises again), and the stages after it are
+        redone. The previous adaptation's checkpoints are kept aside in adapt-before-base-N."""
+        same = {k: v for k, v in theirs.items() if k != "base_steps"} == {
+            k: v for k, v in ours.items() if k != "base_steps"
+        }
+        if not (same and "base" in self.stages and ours["base_steps"] > theirs["base_steps"]):
+            return False
+        superseded = {stage: self.stages.pop(stage) for stage in ("base", "convert", "adapt") if stage in self.stages}
+        print(
+            f"base: extending {superseded['base']['steps']} steps to {ours['base_steps']}; convert and adapt will be redone"
+        )
+        previous = self.work / "adapt"
+        if previous.exists():
+            previous.rename(self.work / f"adapt-before-base-{ours['base_steps']}")
+        self.stages["superseded"] = superseded
+        return True
 
     def started(self, stage: str) -> bool:
         return stage in self.stages or any((self.work / stage).glob("checkpoint-*"))
@@ -174,8 +195,11 @@ def architecture(args) -> dict:
 def check_output(path: Path, run: Run, stage: str, force: bool) -> None:
     """An existing output that another run wrote is kept unless --force: it may be the only copy of a model."""
     if path.exists() and any(path.iterdir()) and not force:
-        written = run.stages.get(stage, {}).get("output")
-        if written != str(path.resolve()):
+        written = {
+            run.stages.get(stage, {}).get("output"),
+            run.stages.get("superseded", {}).get(stage, {}).get("output"),
+        }
+        if str(path.resolve()) not in written:
             raise ValueError(f"{path} exists and this run did not write it; pass --force to replace it (it is "
                              "replaced only once the new model is complete), or choose another output.")  # fmt: skip
 

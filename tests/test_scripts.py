@@ -107,3 +107,25 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
     assert len(errors) == 1 and "is a checkpoint of another model (model_type='llama'" in errors[0], errors
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "work" / "base").exists() or not any((tmp_path / "work" / "base").iterdir())
+
+
+def test_train_demo_extends_a_finished_base(tmp_path):
+    """A finished base rerun with a larger --base-steps resumes from its last checkpoint; convert and adapt are then
+    redone, the run's record keeps what it replaced, and a smaller --base-steps is refused."""
+    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
+             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1"]  # fmt: skip
+    first = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", "base", "--base-steps", "2", *small,
+                       cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    more = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "4", *small,
+                      cwd=tmp_path)  # fmt: skip
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "extending 2 steps to 4" in more.stdout
+    run = json.loads((tmp_path / "work" / "run.json").read_text())
+    assert run["stages"]["base"]["steps"] == 4 and run["stages"]["superseded"]["base"]["steps"] == 2
+    curve = json.loads((tmp_path / "base" / "learning_curve.json").read_text())
+    assert max(entry["step"] for entry in curve) == 4
+    fewer = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "3", *small,
+                       cwd=tmp_path)  # fmt: skip
+    assert fewer.returncode == 2 and "base_steps: 4 -> 3" in fewer.stderr, fewer.stderr[-2000:]
