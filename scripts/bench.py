@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clover.cli_clover import checkpoint_dir, run_main
+from clover.cli_clover import checkpoint_dir, repository_label, run_main
 from clover.configuration_clover import CloverConfig
 from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_examples
 from clover.modeling_clover import CloverCache, CloverForBlockDiffusion, rotary_inverse_frequencies
@@ -269,8 +269,8 @@ def main(argv=None) -> None:
     steps = step_time(clover, args.prompt_lengths, args.steps)
     shortest, longest = min(args.prompt_lengths), max(args.prompt_lengths)
     report = {
-        "model": args.model,
-        "base": args.base,
+        "model": repository_label(args.model),
+        "base": repository_label(args.base),
         "threads": torch.get_num_threads(),
         "problems": len(examples),
         "decoding": decoding,

@@ -21,18 +21,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clover.cli_clover import checkpoint_dir, run_main
+from clover.cli_clover import checkpoint_dir, repository_label, run_main
 from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_examples
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
-
-
-def model_label(model: str) -> str:
-    """The model as the results file names it: relative to the repository when it lies inside it."""
-    path = Path(model).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -155,7 +149,12 @@ def main(argv=None) -> None:
         print(f"{threshold:>9} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
-    payload = {"model": model_label(args.model), "per_family": args.per_family, "seed": args.seed, "results": results}
+    payload = {
+        "model": repository_label(args.model),
+        "per_family": args.per_family,
+        "seed": args.seed,
+        "results": results,
+    }
     (output / "eval_demo.json").write_text(json.dumps(payload, indent=1))
     if is_clover(model):
         plot(results, output / "eval_demo.png")
