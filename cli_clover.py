@@ -30,10 +30,10 @@ def checkpoint_dir(path: str | os.PathLike, flag: str | None = "--model") -> Pat
     return path
 
 
-__all__ = ["USAGE_ERROR", "checkpoint_dir", "run_main"]
-
-
 def repository_label(path: str | os.PathLike) -> str:
     """A path as results files name it: relative to the repository when it lies inside it, else as given."""
     resolved, repository = Path(path).resolve(), Path(__file__).resolve().parent
     return str(resolved.relative_to(repository)) if resolved.is_relative_to(repository) else str(path)
+
+
+__all__ = ["USAGE_ERROR", "checkpoint_dir", "repository_label", "run_main"]

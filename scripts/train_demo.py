@@ -154,10 +154,8 @@ class Run:
         """A finished base trained on with a larger --base-steps: it resumes from its last checkpoint (the cosine
         schedule is then that of the new length, so the learning rate rises again), and the stages after it are
         redone. The previous adaptation's checkpoints are kept aside in adapt-before-base-N."""
-        same = {k: v for k, v in theirs.items() if k != "base_steps"} == {
-            k: v for k, v in ours.items() if k != "base_steps"
-        }
-        if not (same and "base" in self.stages and ours["base_steps"] > theirs["base_steps"]):
+        changed = {key for key, value in ours.items() if theirs.get(key) != value}
+        if not (changed == {"base_steps"} and "base" in self.stages and ours["base_steps"] > theirs["base_steps"]):
             return False
         superseded = {stage: self.stages.pop(stage) for stage in ("base", "convert", "adapt") if stage in self.stages}
         print(
