@@ -15,7 +15,10 @@
 Everything in progress lives in --work: the settings of the run (run.json), Trainer checkpoints of the two training
 stages (every --save-steps; an interrupted stage resumes from its newest one, optimizer, scheduler and data
 position included), and the converted checkpoint. The two outputs are written whole or not at all, and an output
-this run did not write is replaced only with --force.
+this run did not write is replaced only with --force. A finished base rerun with a larger --base-steps goes on from
+its last checkpoint, and an adaptation rerun with other settings starts again from the converted base; either way
+the replaced stages' checkpoints and records are kept (adapt-before-base-N, adapt-N, run.json's "superseded").
+Other changed settings of a begun stage are refused: its checkpoints would not fit.
 """
 
 from __future__ import annotations
@@ -94,13 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--shared-expert-intermediate-size", type=int, default=DEMO_ARCHITECTURE["shared_expert_intermediate_size"]
     )
     parser.add_argument("--batch-tokens", type=int, default=4096, help="prompt + answer tokens per batch")
-    parser.add_argument("--base-steps", type=int, default=10000)
+    parser.add_argument("--base-steps", type=int, default=7500)
     parser.add_argument("--base-lr", type=float, default=3e-3)
-    parser.add_argument("--adapt-steps", type=int, default=3000)
-    parser.add_argument("--adapt-lr", type=float, default=1e-3)
+    parser.add_argument("--adapt-steps", type=int, default=2600)
+    parser.add_argument("--adapt-lr", type=float, default=3e-3)
     parser.add_argument("--noise-eps", type=float, default=0.1, help="smallest noise level t of the adaptation")
     parser.add_argument(
-        "--causal-loss-weight", type=float, default=0.5, help="next-token loss kept during the adaptation"
+        "--causal-loss-weight", type=float, default=1.0, help="next-token loss kept during the adaptation"
     )
     parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
@@ -141,6 +144,9 @@ class Run:
                 theirs = record["settings"].get(stage, ours)
                 if stage == "base" and self._extends_base(theirs, ours):
                     continue
+                if stage == "adapt" and theirs != ours and self.started(stage):
+                    self._redo_adapt(theirs, ours)
+                    continue
                 if theirs != ours and self.started(stage):
                     changes = ", ".join(f"{k}: {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
                     raise ValueError(
@@ -166,6 +172,18 @@ class Run:
             previous.rename(self.work / f"adapt-before-base-{ours['base_steps']}")
         self.stages["superseded"] = superseded
         return True
+
+    def _redo_adapt(self, theirs: dict, ours: dict) -> None:
+        """An adaptation with other settings starts again from the converted base; the base is kept. The previous
+        adaptation's checkpoints are moved to adapt-N and its record to stages.superseded, so nothing is lost."""
+        changes = ", ".join(f"{k}: {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
+        n = 1 + sum(1 for _ in self.work.glob("adapt-[0-9]*"))
+        previous = self.work / "adapt"
+        if previous.exists():
+            previous.rename(self.work / f"adapt-{n}")
+        print(f"adapt: other settings ({changes}); the adaptation is redone, the previous one kept in adapt-{n}")
+        if "adapt" in self.stages:
+            self.stages.setdefault("superseded", {})["adapt"] = self.stages.pop("adapt") | {"settings": theirs}
 
     def started(self, stage: str) -> bool:
         return stage in self.stages or any((self.work / stage).glob("checkpoint-*"))

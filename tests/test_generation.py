@@ -207,6 +207,16 @@ def test_self_speculative_equals_causal_greedy_decoding(model, prompt_len, seed)
     assert int(out.num_forward_passes) <= sum(out.steps_per_block) + len(out.steps_per_block)
 
 
+@pytest.mark.parametrize("draft_steps", [1, 3])
+def test_self_speculative_with_capped_drafts_equals_causal_greedy_decoding(model, draft_steps):
+    """max_steps_per_block caps a draft's denoising steps; the verify keeps the output that of causal greedy."""
+    prompt = random_ids(1, 6, seed=1)
+    out = generate(model, prompt, strategy="self_speculative", max_steps_per_block=draft_steps)
+    assert out.sequences[0, 6:].tolist() == causal_greedy(model, prompt, MAX_NEW_TOKENS)
+    assert max(out.steps_per_block) <= draft_steps
+    assert int(out.num_forward_passes) == sum(out.steps_per_block) + len(out.steps_per_block)
+
+
 def test_self_speculative_batch_of_unequal_prompts_equals_causal_greedy_per_row(model, unequal_prompts):
     prompts, input_ids, attention_mask = unequal_prompts
     out = generate(model, input_ids, attention_mask=attention_mask, strategy="self_speculative")

@@ -129,3 +129,25 @@ def test_train_demo_extends_a_finished_base(tmp_path):
     fewer = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "3", *small,
                        cwd=tmp_path)  # fmt: skip
     assert fewer.returncode == 2 and "base_steps: 4 -> 3" in fewer.stderr, fewer.stderr[-2000:]
+
+
+def test_train_demo_redoes_an_adaptation_with_other_settings(tmp_path):
+    """An adaptation rerun with other settings starts again from the converted base: the base is not retrained, the
+    previous adaptation's checkpoints and record are kept, and the output it wrote is replaced without --force."""
+    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
+             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1", "--base-steps", "2",
+             "--adapt-steps", "2"]  # fmt: skip
+    first = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-lr", "1e-3", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    base_weights = (tmp_path / "base" / "model.safetensors").read_bytes()
+    again = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-lr", "2e-3", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "adapt: other settings (adapt_lr: 0.001 -> 0.002)" in again.stdout
+    assert "base: done" in again.stdout and "convert: done" in again.stdout
+    assert (tmp_path / "base" / "model.safetensors").read_bytes() == base_weights
+    assert (tmp_path / "work" / "adapt-1" / "checkpoint-2").is_dir()
+    run = json.loads((tmp_path / "work" / "run.json").read_text())
+    assert run["settings"]["adapt"]["adapt_lr"] == 2e-3
+    assert run["stages"]["superseded"]["adapt"]["settings"]["adapt_lr"] == 1e-3
+    assert (tmp_path / "clover" / "model.safetensors").is_file()
