@@ -66,7 +66,8 @@ class CloverGenerationConfig(GenerationConfig):
         strategy (`str`, defaults to `"low_confidence"`):
             `"low_confidence"`: block diffusion, block by block. `"self_speculative"`: drafts made by block diffusion
             and verified by the causal forward, exactly the model's causal greedy decoding (greedy only, eager only;
-            each row decoded on its own).
+            each row decoded on its own). `max_steps_per_block` then caps the steps of a draft: fewer forwards per
+            draft, fewer of its tokens accepted, the same output.
         compile (`bool`, defaults to False):
             Decode on a static cache (allocated once for the whole generation, its length rounded up to a multiple
             of 256) through a `torch.compile`d step that is traced once per input length and replayed for every
@@ -450,7 +451,9 @@ class CloverGenerationMixin(GenerationMixin):
         to_decode = canvas == config.mask_token_id
         hidden_states, steps = hidden_states[:, -block_size:], 1
         while True:
-            canvas, committed = self._denoising_step(canvas, hidden_states, to_decode, None, decoding, None)
+            # max_steps_per_block caps a draft's steps: a cheaper, rougher draft; the verify keeps the output exact.
+            steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps + 1, 1)
+            canvas, committed = self._denoising_step(canvas, hidden_states, to_decode, None, decoding, steps_left)
             to_decode = _stop_after_eos(canvas, to_decode & ~committed, decoding.eos_ids)
             if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
                 decoding.streamer.put_draft(canvas.cpu())
