@@ -245,8 +245,8 @@ def plot(report: dict, path: Path) -> None:
     for name, run in runs.items():
         marker, color = ("s", "black") if name == "AR base" else ("*", "tab:red") if "speculative" in name else ("o", "tab:green")  # fmt: skip
         ax.scatter(run["tok_per_s"], 100 * run["exact_match"], marker=marker, color=color, s=60, zorder=3)
-        label = name.replace("Clover ", "").replace("self-speculative", "self-spec").replace(" draft steps", "")
-        ax.annotate(label.replace(", <= ", " <= "), (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8,
+        label = name.removeprefix("Clover ").replace("self-speculative", "self-spec").replace(",", "").removesuffix(" draft steps")  # fmt: skip
+        ax.annotate(label, (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8,
                     textcoords="offset points", xytext=(-20, 8) if "speculative" in name else (5, -10))  # fmt: skip
     low_confidence = [r for n, r in runs.items() if n.startswith("Clover") and "speculative" not in n]
     ax.plot(

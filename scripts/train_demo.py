@@ -142,48 +142,49 @@ class Run:
             self.stages = record["stages"]
             for stage, ours in self.settings.items():
                 theirs = record["settings"].get(stage, ours)
-                if stage == "base" and self._extends_base(theirs, ours):
+                changed = {key: (theirs.get(key), value) for key, value in ours.items() if theirs.get(key) != value}
+                if not changed or not self.started(stage):
                     continue
-                if stage == "adapt" and theirs != ours and self.started(stage):
-                    self._redo_adapt(theirs, ours)
+                if stage == "base" and self._extends_base(changed):
                     continue
-                if theirs != ours and self.started(stage):
-                    changes = ", ".join(f"{k}: {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
-                    raise ValueError(
-                        f"{self.work} holds a {stage} stage begun with other settings ({changes}); its checkpoints "
-                        "would not fit. Rerun with its settings, or pass another --work."
-                    )
+                if stage == "adapt":
+                    self._redo_adapt(changed, theirs)
+                    continue
+                raise ValueError(
+                    f"{self.work} holds a {stage} stage begun with other settings ({describe(changed)}); its "
+                    "checkpoints would not fit. Rerun with its settings, or pass another --work."
+                )
         self.work.mkdir(parents=True, exist_ok=True)
         self.save()
 
-    def _extends_base(self, theirs: dict, ours: dict) -> bool:
+    def _extends_base(self, changed: dict) -> bool:
         """A finished base trained on with a larger --base-steps: it resumes from its last checkpoint (the cosine
         schedule is then that of the new length, so the learning rate rises again), and the stages after it are
         redone. The previous adaptation's checkpoints are kept aside in adapt-before-base-N."""
-        changed = {key for key, value in ours.items() if theirs.get(key) != value}
-        if not (changed == {"base_steps"} and "base" in self.stages and ours["base_steps"] > theirs["base_steps"]):
+        if set(changed) != {"base_steps"} or "base" not in self.stages:
             return False
-        superseded = {stage: self.stages.pop(stage) for stage in ("base", "convert", "adapt") if stage in self.stages}
-        print(
-            f"base: extending {superseded['base']['steps']} steps to {ours['base_steps']}; convert and adapt will be redone"
-        )
-        previous = self.work / "adapt"
-        if previous.exists():
-            previous.rename(self.work / f"adapt-before-base-{ours['base_steps']}")
-        self.stages["superseded"] = superseded
+        before, after = changed["base_steps"]
+        if after <= before:
+            return False
+        print(f"base: extending {self.stages['base']['steps']} steps to {after}; convert and adapt will be redone")
+        self._set_aside(("base", "convert", "adapt"), f"adapt-before-base-{after}")
         return True
 
-    def _redo_adapt(self, theirs: dict, ours: dict) -> None:
+    def _redo_adapt(self, changed: dict, theirs: dict) -> None:
         """An adaptation with other settings starts again from the converted base; the base is kept. The previous
         adaptation's checkpoints are moved to adapt-N and its record to stages.superseded, so nothing is lost."""
-        changes = ", ".join(f"{k}: {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v)
-        n = 1 + sum(1 for _ in self.work.glob("adapt-[0-9]*"))
-        previous = self.work / "adapt"
-        if previous.exists():
-            previous.rename(self.work / f"adapt-{n}")
-        print(f"adapt: other settings ({changes}); the adaptation is redone, the previous one kept in adapt-{n}")
-        if "adapt" in self.stages:
-            self.stages.setdefault("superseded", {})["adapt"] = self.stages.pop("adapt") | {"settings": theirs}
+        kept = f"adapt-{1 + sum(1 for _ in self.work.glob('adapt-[0-9]*'))}"
+        print(
+            f"adapt: other settings ({describe(changed)}); the adaptation is redone, the previous one kept in {kept}"
+        )
+        self._set_aside(("adapt",), kept, settings=theirs)
+
+    def _set_aside(self, stages: tuple[str, ...], adapt_checkpoints: str, **facts) -> None:
+        """Moves the records of `stages` to stages.superseded and the adaptation's checkpoints to another folder."""
+        superseded = self.stages.setdefault("superseded", {})
+        superseded.update({stage: self.stages.pop(stage) | facts for stage in stages if stage in self.stages})
+        if (self.work / "adapt").exists():
+            (self.work / "adapt").rename(self.work / adapt_checkpoints)
 
     def started(self, stage: str) -> bool:
         return stage in self.stages or any((self.work / stage).glob("checkpoint-*"))
@@ -197,6 +198,10 @@ class Run:
     def finish(self, stage: str, seconds: float, **facts) -> None:
         self.stages[stage] = {"seconds": round(seconds), **facts}
         self.save()
+
+
+def describe(changed: dict) -> str:
+    return ", ".join(f"{key}: {before} -> {after}" for key, (before, after) in changed.items())
 
 
 def architecture(args) -> dict:
