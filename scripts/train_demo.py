@@ -15,9 +15,10 @@
 Everything in progress lives in --work: the settings of the run (run.json), Trainer checkpoints of the two training
 stages (every --save-steps; an interrupted stage resumes from its newest one, optimizer, scheduler and data
 position included), and the converted checkpoint. The two outputs are written whole or not at all, and an output
-this run did not write is replaced only with --force. A finished base rerun with a larger --base-steps goes on from
-its last checkpoint, and an adaptation rerun with other settings starts again from the converted base; either way
-the replaced stages' checkpoints and records are kept (adapt-before-base-N, adapt-N, run.json's "superseded").
+this run did not write is replaced only with --force. A finished base or adaptation rerun with a larger --base-steps
+or --adapt-steps goes on from its last checkpoint (after a longer base, convert and adapt are redone), and an
+adaptation rerun with other settings starts again from the converted base; either way the replaced stages'
+checkpoints and records are kept (adapt-before-base-N, adapt-N, run.json's "superseded").
 Other changed settings of a begun stage are refused: its checkpoints would not fit.
 """
 
@@ -127,6 +128,8 @@ STAGE_SETTINGS = {
     "convert": (),
     "adapt": ("adapt_steps", "adapt_lr", "noise_eps", "causal_loss_weight"),
 }  # fmt: skip
+# The setting that a finished stage may raise, to train on from its last checkpoint.
+EXTENDABLE = {"base": "base_steps", "adapt": "adapt_steps"}
 
 
 class Run:
@@ -145,7 +148,7 @@ class Run:
                 changed = {key: (theirs.get(key), value) for key, value in ours.items() if theirs.get(key) != value}
                 if not changed or not self.started(stage):
                     continue
-                if stage == "base" and self._extends_base(changed):
+                if self._extends(stage, changed):
                     continue
                 if stage == "adapt":
                     self._redo_adapt(changed, theirs)
@@ -157,17 +160,23 @@ class Run:
         self.work.mkdir(parents=True, exist_ok=True)
         self.save()
 
-    def _extends_base(self, changed: dict) -> bool:
-        """A finished base trained on with a larger --base-steps: it resumes from its last checkpoint (the cosine
-        schedule is then that of the new length, so the learning rate rises again), and the stages after it are
-        redone. The previous adaptation's checkpoints are kept aside in adapt-before-base-N."""
-        if set(changed) != {"base_steps"} or "base" not in self.stages:
+    def _extends(self, stage: str, changed: dict) -> bool:
+        """A finished base or adaptation rerun with more steps, nothing else changed, resumes from its last
+        checkpoint. The cosine schedule is then that of the new length, so the learning rate rises again (to about
+        0.4 of the peak when 2,600 steps become 4,600) and decays to zero over the added steps. After a longer base,
+        convert and adapt are redone, and the previous adaptation's checkpoints are kept in adapt-before-base-N."""
+        key = EXTENDABLE.get(stage)
+        if key is None or set(changed) != {key} or stage not in self.stages:
             return False
-        before, after = changed["base_steps"]
+        before, after = changed[key]
         if after <= before:
             return False
-        print(f"base: extending {self.stages['base']['steps']} steps to {after}; convert and adapt will be redone")
-        self._set_aside(("base", "convert", "adapt"), f"adapt-before-base-{after}")
+        if stage == "base":
+            print(f"base: extending {before} steps to {after}; convert and adapt will be redone")
+            self._set_aside(("base", "convert", "adapt"), f"adapt-before-base-{after}")
+        else:
+            print(f"adapt: extending {before} steps to {after} from its last checkpoint")
+            self._set_aside(("adapt",), None, steps=before)
         return True
 
     def _redo_adapt(self, changed: dict, theirs: dict) -> None:
@@ -179,11 +188,14 @@ class Run:
         )
         self._set_aside(("adapt",), kept, settings=theirs)
 
-    def _set_aside(self, stages: tuple[str, ...], adapt_checkpoints: str, **facts) -> None:
-        """Moves the records of `stages` to stages.superseded and the adaptation's checkpoints to another folder."""
+    def _set_aside(self, stages: tuple[str, ...], adapt_checkpoints: str | None, **facts) -> None:
+        """Moves the records of `stages` to stages.superseded (a second record of a stage there is `stage-2`, and
+        so on) and, unless `adapt_checkpoints` is None, the adaptation's checkpoints to that folder."""
         superseded = self.stages.setdefault("superseded", {})
-        superseded.update({stage: self.stages.pop(stage) | facts for stage in stages if stage in self.stages})
-        if (self.work / "adapt").exists():
+        for stage in (stage for stage in stages if stage in self.stages):
+            earlier = sum(1 for key in superseded if key.split("-")[0] == stage)
+            superseded[f"{stage}-{earlier + 1}" if earlier else stage] = facts | self.stages.pop(stage)
+        if adapt_checkpoints and (self.work / "adapt").exists():
             (self.work / "adapt").rename(self.work / adapt_checkpoints)
 
     def started(self, stage: str) -> bool:
@@ -415,7 +427,7 @@ def stage_adapt(args, run: Run, resume: str | None) -> None:
     shutil.copytree(adapted, staging)
     plot_learning_curves(Path(args.base_output) / "learning_curve.json", adapted / "learning_curve.json", staging)
     publish(staging, output)
-    run.finish("adapt", time.time() - start, output=str(output.resolve()))
+    run.finish("adapt", time.time() - start, output=str(output.resolve()), steps=args.adapt_steps)
     print(f"adapt: saved {output}")
 
 

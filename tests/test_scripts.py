@@ -131,6 +131,25 @@ def test_train_demo_extends_a_finished_base(tmp_path):
     assert fewer.returncode == 2 and "base_steps: 4 -> 3" in fewer.stderr, fewer.stderr[-2000:]
 
 
+def test_train_demo_extends_a_finished_adaptation(tmp_path):
+    """A finished adaptation rerun with a larger --adapt-steps resumes from its last checkpoint (the base and the
+    conversion untouched) and keeps the record of the shorter run; the published Clover is the longer one."""
+    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
+             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1", "--base-steps", "2"]  # fmt: skip
+    first = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    more = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-steps", "4", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "adapt: extending 2 steps to 4 from its last checkpoint" in more.stdout
+    assert "base: done" in more.stdout and "convert: done" in more.stdout
+    assert sorted(path.name for path in (tmp_path / "work" / "adapt").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    run = json.loads((tmp_path / "work" / "run.json").read_text())
+    assert run["stages"]["adapt"]["steps"] == 4 and run["stages"]["superseded"]["adapt"]["steps"] == 2
+    curve = json.loads((tmp_path / "clover" / "learning_curve.json").read_text())
+    assert {entry["step"] for entry in curve if "eval_loss" in entry} == {2, 4}  # the first run's history kept
+
+
 def test_train_demo_redoes_an_adaptation_with_other_settings(tmp_path):
     """An adaptation rerun with other settings starts again from the converted base: the base is not retrained, the
     previous adaptation's checkpoints and record are kept, and the output it wrote is replaced without --force."""
