@@ -242,12 +242,15 @@ def plot(report: dict, path: Path) -> None:
 
     runs = report["decoding"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    speculative = [name for name in runs if "speculative" in name]  # often at one accuracy: labels above, below
     for name, run in runs.items():
-        marker, color = ("s", "black") if name == "AR base" else ("*", "tab:red") if "speculative" in name else ("o", "tab:green")  # fmt: skip
+        marker, color = ("s", "black") if name == "AR base" else ("*", "tab:red") if name in speculative else ("o", "tab:green")  # fmt: skip
         ax.scatter(run["tok_per_s"], 100 * run["exact_match"], marker=marker, color=color, s=60, zorder=3)
         label = name.removeprefix("Clover ").replace("self-speculative", "self-spec").replace(",", "").removesuffix(" draft steps")  # fmt: skip
-        ax.annotate(label, (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8,
-                    textcoords="offset points", xytext=(-20, 8) if "speculative" in name else (5, -10))  # fmt: skip
+        offset = ((-20, 8), (-20, -14))[speculative.index(name) % 2] if name in speculative else (5, -10)
+        ax.annotate(label, (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8, textcoords="offset points",
+                    xytext=offset)  # fmt: skip
+    ax.margins(y=0.12)
     low_confidence = [r for n, r in runs.items() if n.startswith("Clover") and "speculative" not in n]
     ax.plot(
         [r["tok_per_s"] for r in low_confidence],
