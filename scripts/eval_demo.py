@@ -2,11 +2,14 @@
 
     python scripts/eval_demo.py                                   # the shipped Clover, 50 problems per family
     python scripts/eval_demo.py --model models/qwen3_5_moe-tiny-demo    # its autoregressive base, same problems
+    python scripts/eval_demo.py --self-speculative                # and Clover's lossless self-speculative mode
     python scripts/eval_demo.py --model DIR --per-family 100 --output eval_results
 
-A Clover checkpoint is decoded by block diffusion at each threshold; any other causal LM (the demo's Qwen3.5-MoE
-base) by its own greedy `generate`, one token per forward. Prints a table (accuracy per family and overall, tokens
-per forward) and writes eval_demo.json and eval_demo.png. The problems come from a seed training never used.
+A Clover checkpoint is decoded by block diffusion at each threshold (and, with --self-speculative, by
+`generate(strategy="self_speculative")`: its own causal greedy output, drafted by block diffusion); any other causal
+LM (the demo's Qwen3.5-MoE base) by its own greedy `generate`, one token per forward. Prints a table (accuracy per
+family and overall, tokens per forward) and writes eval_demo.json and eval_demo.png. The problems come from a seed
+training never used.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_ex
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
+SELF_SPECULATIVE = "self_speculative"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=12345, help="held-out seed (training uses seed + 1 = 1)")
     parser.add_argument(
         "--thresholds", type=float, nargs="+", default=list(THRESHOLDS), help="Clover's LowConfidence thresholds"
+    )
+    parser.add_argument(
+        "--self-speculative", action="store_true", help="also decode a Clover checkpoint self-speculatively"
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -48,9 +55,9 @@ def is_clover(model) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, threshold: float | None, batch_size: int, max_new_tokens: int) -> dict:
-    """Greedy decoding of the examples (block diffusion at `threshold` for Clover, else the model's own AR
-    `generate`); per family: correct count, new tokens (through EOS), forwards."""
+def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_size: int, max_new_tokens: int) -> dict:
+    """Greedy decoding of the examples (for Clover block diffusion at threshold `decoding`, or "self_speculative";
+    else the model's own AR `generate`); per family: correct count, new tokens (through EOS), forwards."""
     encoded = [encode_example(tokenizer, e, model.config.max_position_embeddings)[0] for e in examples]
     order = sorted(range(len(examples)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     eos_ids = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
@@ -58,7 +65,7 @@ def evaluate(model, tokenizer, examples, threshold: float | None, batch_size: in
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, padding=True, return_tensors="pt")
-        new, forwards = generate(model, batch, threshold, max_new_tokens, eos_ids)
+        new, forwards = generate(model, batch, decoding, max_new_tokens, eos_ids)
         for j, i in enumerate(rows):
             reply = tokenizer.decode(new[j, : int(forwards["new"][j])], skip_special_tokens=True)
             family = examples[i].family
@@ -69,12 +76,13 @@ def evaluate(model, tokenizer, examples, threshold: float | None, batch_size: in
     return dict(stats)
 
 
-def generate(model, batch, threshold, max_new_tokens, eos_ids) -> tuple[torch.Tensor, dict]:
+def generate(model, batch, decoding, max_new_tokens, eos_ids) -> tuple[torch.Tensor, dict]:
     """(new tokens (batch, n), {"new": tokens through EOS per row, "forwards": forwards per row})."""
     prompt_len = batch["input_ids"].shape[1]
     if is_clover(model):
+        how = {"strategy": decoding} if decoding == SELF_SPECULATIVE else {"threshold": decoding}
         out = model.generate(
-            **batch, max_new_tokens=max_new_tokens, threshold=threshold, do_sample=False, return_dict_in_generate=True
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **how
         )
         new = out.sequences[:, prompt_len:]
         return new, {"new": out.num_new_tokens, "forwards": out.num_forward_passes}
@@ -100,7 +108,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    thresholds = sorted(results, key=float, reverse=True)
+    thresholds = sorted((key for key in results if key != SELF_SPECULATIVE), key=float, reverse=True)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for family in [*FAMILIES, "all"]:
         left.plot(
@@ -135,18 +143,23 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}
-    for threshold in tqdm(args.thresholds if is_clover(model) else [None], desc="runs"):
+    if args.self_speculative and not is_clover(model):
+        raise ValueError(f"--self-speculative needs a Clover checkpoint; {args.model} is a {model.config.model_type}.")
+    decodings = [*args.thresholds, SELF_SPECULATIVE] if args.self_speculative else list(args.thresholds)
+    if not is_clover(model):
+        decodings = [None]  # its own autoregressive generate
+    for decoding in tqdm(decodings, desc="runs"):
         start = time.perf_counter()
-        stats = evaluate(model, tokenizer, examples, threshold, args.batch_size, args.max_new_tokens)
-        results[str(threshold or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
+        stats = evaluate(model, tokenizer, examples, decoding, args.batch_size, args.max_new_tokens)
+        results[str(decoding or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
 
-    header = f"{'threshold':>9} | " + " | ".join(f"{f:>9}" for f in FAMILIES) + " |       all | tok/fwd"
+    header = f"{'decoding':>16} | " + " | ".join(f"{f:>9}" for f in FAMILIES) + " |       all | tok/fwd"
     print(header)
     print("-" * len(header))
-    for threshold, result in results.items():
+    for decoding, result in results.items():
         accuracy = result["accuracy"]
         cells = " | ".join(f"{100 * accuracy[f]:8.1f}%" for f in FAMILIES)
-        print(f"{threshold:>9} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
+        print(f"{decoding:>16} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -38,6 +38,10 @@ CASES = {
         r"--resume-from no-such-checkpoint: no Trainer checkpoint there",
     ),
     "eval_demo.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
+    "eval_demo.py: self-speculative AR base": (
+        lambda tmp: ["--model", str(REPO / "models" / "qwen3_5_moe-tiny-demo"), "--self-speculative"],
+        r"--self-speculative needs a Clover checkpoint; .*qwen3_5_moe-tiny-demo is a qwen3_5_moe_text",
+    ),
     "bench.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
     "build_tokenizer.py": (lambda tmp: ["--output", str(a_file(tmp))], r"a-file is a file: pass a directory"),
     "convert_qwen3_5_moe.py": (lambda tmp: ["--input", MISSING, "--output", str(tmp / "c")], r"has no config.json"),
@@ -81,6 +85,18 @@ def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
 def test_every_script_has_a_case():
     scripts = {path.name for path in (REPO / "scripts").glob("*.py")}
     assert scripts == {case.split(":")[0] for case in CASES}
+
+
+def test_eval_demo_decodes_self_speculatively_too(tmp_path):
+    """--self-speculative adds a row to the table and the JSON; the plot keeps the thresholds only."""
+    result = run_script("eval_demo.py", "--per-family", "1", "--thresholds", "0.95", "--self-speculative",
+                        "--output", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"^\s*self_speculative \|", result.stdout, re.MULTILINE), result.stdout
+    results = json.loads((tmp_path / "eval_demo.json").read_text())["results"]
+    assert set(results) == {"0.95", "self_speculative"}
+    assert sum(s["total"] for s in results["self_speculative"]["counts"].values()) == 4
+    assert (tmp_path / "eval_demo.png").is_file()
 
 
 def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
