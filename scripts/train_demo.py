@@ -173,10 +173,10 @@ class Run:
             return False
         if stage == "base":
             print(f"base: extending {before} steps to {after}; convert and adapt will be redone")
-            self._set_aside(("base", "convert", "adapt"), f"adapt-before-base-{after}")
         else:
             print(f"adapt: extending {before} steps to {after} from its last checkpoint")
-            self._set_aside(("adapt",), None, steps=before)
+        redone = STAGES[STAGES.index(stage) :]  # the stage itself and every stage after it
+        self._set_aside(redone, f"adapt-before-base-{after}" if stage == "base" else None)  # records carry steps
         return True
 
     def _redo_adapt(self, changed: dict, theirs: dict) -> None:

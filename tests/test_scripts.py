@@ -57,6 +57,12 @@ def trained_model(tmp: Path) -> Path:
     return path
 
 
+# A demo run small enough to train every stage in seconds.
+SMALL_DEMO = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+              "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
+              "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1"]  # fmt: skip
+
+
 def demo_dirs(tmp: Path) -> list[str]:
     return ["--output", str(tmp / "clover"), "--base-output", str(tmp / "base"), "--work", str(tmp / "work")]
 
@@ -128,9 +134,7 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
 def test_train_demo_extends_a_finished_base(tmp_path):
     """A finished base rerun with a larger --base-steps resumes from its last checkpoint; convert and adapt are then
     redone, the run's record keeps what it replaced, and a smaller --base-steps is refused."""
-    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
-             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
-             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1"]  # fmt: skip
+    small = SMALL_DEMO
     first = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", "base", "--base-steps", "2", *small,
                        cwd=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
@@ -150,9 +154,7 @@ def test_train_demo_extends_a_finished_base(tmp_path):
 def test_train_demo_extends_a_finished_adaptation(tmp_path):
     """A finished adaptation rerun with a larger --adapt-steps resumes from its last checkpoint (the base and the
     conversion untouched) and keeps the record of the shorter run; the published Clover is the longer one."""
-    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
-             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
-             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1", "--base-steps", "2"]  # fmt: skip
+    small = [*SMALL_DEMO, "--base-steps", "2"]
     first = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     more = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-steps", "4", cwd=tmp_path)
@@ -169,10 +171,7 @@ def test_train_demo_extends_a_finished_adaptation(tmp_path):
 def test_train_demo_redoes_an_adaptation_with_other_settings(tmp_path):
     """An adaptation rerun with other settings starts again from the converted base: the base is not retrained, the
     previous adaptation's checkpoints and record are kept, and the output it wrote is replaced without --force."""
-    small = ["--num-examples", "40", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
-             "--hidden-size", "32", "--moe-intermediate-size", "16", "--shared-expert-intermediate-size", "16",
-             "--batch-tokens", "1024", "--save-steps", "2", "--threads", "1", "--base-steps", "2",
-             "--adapt-steps", "2"]  # fmt: skip
+    small = [*SMALL_DEMO, "--base-steps", "2", "--adapt-steps", "2"]
     first = run_script("train_demo.py", *demo_dirs(tmp_path), *small, "--adapt-lr", "1e-3", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     base_weights = (tmp_path / "base" / "model.safetensors").read_bytes()
