@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=4096, help="prompt + answer tokens per batch")
     parser.add_argument("--base-steps", type=int, default=7500)
     parser.add_argument("--base-lr", type=float, default=3e-3)
-    parser.add_argument("--adapt-steps", type=int, default=4600)
+    parser.add_argument("--adapt-steps", type=int, default=6400)
     parser.add_argument("--adapt-lr", type=float, default=3e-3)
     parser.add_argument("--noise-eps", type=float, default=0.1, help="smallest noise level t of the adaptation")
     parser.add_argument(
