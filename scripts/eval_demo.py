@@ -145,8 +145,9 @@ def main(argv=None) -> None:
     results = {}
     if args.self_speculative and not is_clover(model):
         raise ValueError(f"--self-speculative needs a Clover checkpoint; {args.model} is a {model.config.model_type}.")
-    decodings = [*args.thresholds, SELF_SPECULATIVE] if args.self_speculative else list(args.thresholds)
-    if not is_clover(model):
+    if is_clover(model):
+        decodings = [*args.thresholds, *([SELF_SPECULATIVE] if args.self_speculative else [])]
+    else:
         decodings = [None]  # its own autoregressive generate
     for decoding in tqdm(decodings, desc="runs"):
         start = time.perf_counter()

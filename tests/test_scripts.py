@@ -134,11 +134,10 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
 def test_train_demo_extends_a_finished_base(tmp_path):
     """A finished base rerun with a larger --base-steps resumes from its last checkpoint; convert and adapt are then
     redone, the run's record keeps what it replaced, and a smaller --base-steps is refused."""
-    small = SMALL_DEMO
-    first = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", "base", "--base-steps", "2", *small,
+    first = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", "base", "--base-steps", "2", *SMALL_DEMO,
                        cwd=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
-    more = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "4", *small,
+    more = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "4", *SMALL_DEMO,
                       cwd=tmp_path)  # fmt: skip
     assert more.returncode == 0, more.stderr[-2000:]
     assert "extending 2 steps to 4" in more.stdout
@@ -146,7 +145,7 @@ def test_train_demo_extends_a_finished_base(tmp_path):
     assert run["stages"]["base"]["steps"] == 4 and run["stages"]["superseded"]["base"]["steps"] == 2
     curve = json.loads((tmp_path / "base" / "learning_curve.json").read_text())
     assert max(entry["step"] for entry in curve) == 4
-    fewer = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "3", *small,
+    fewer = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "base", "--base-steps", "3", *SMALL_DEMO,
                        cwd=tmp_path)  # fmt: skip
     assert fewer.returncode == 2 and "base_steps: 4 -> 3" in fewer.stderr, fewer.stderr[-2000:]
 
