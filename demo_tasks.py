@@ -603,8 +603,10 @@ def generate_examples(
     families: Sequence[str] = FAMILIES,
     weights: Sequence[float] | None = None,
     level: str = "full",
+    enable_thinking: bool | None = None,
 ) -> list[DemoExample]:
-    """`num_examples` examples of `families` at `level`, deterministic in `seed`.
+    """`num_examples` examples of `families` at `level`, deterministic in `seed`; thinking on or off at random
+    (half each) unless `enable_thinking` is given.
 
     Without `weights` the families take turns (balanced to within one), as an evaluation wants. With `weights`
     (one per family) each example's family is drawn with those relative frequencies, so a training mix can spend
@@ -620,7 +622,7 @@ def generate_examples(
                 "not all zero"
             )
         chosen = rng.choices(families, weights=weights, k=num_examples)
-    return [make_example(family, rng, level=level) for family in chosen]
+    return [make_example(family, rng, enable_thinking, level) for family in chosen]
 
 
 def write_chat_jsonl(examples: Sequence[DemoExample], path: str | Path) -> None:

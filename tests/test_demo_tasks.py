@@ -71,6 +71,16 @@ def test_generate_examples_with_weights_follows_the_mix():
             generate_examples(10, seed=0, weights=bad)
 
 
+def test_generate_examples_can_fix_the_thinking_mode():
+    direct = generate_examples(50, seed=4, families=("addition",), level="warmup", enable_thinking=False)
+    assert not any(example.enable_thinking for example in direct)
+    for example in direct:
+        assert example.messages[-1]["content"] == example.expected and "reasoning_content" not in example.messages[-1]
+        a, b = map(int, re.findall(r"\d+", example.messages[-2]["content"]))
+        assert 10 <= a < 100 and 10 <= b < 100 and example.expected == f"{a} + {b} = {a + b}"
+    assert all(e.enable_thinking for e in generate_examples(8, seed=4, enable_thinking=True))
+
+
 def test_example_structure():
     rng = random.Random(0)
     for family in FAMILIES:

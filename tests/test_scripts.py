@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
+from clover.demo_tasks import generate_examples
+
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"
 MISSING = "no-such-checkpoint"
@@ -129,6 +131,40 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
     assert len(errors) == 1 and "is a checkpoint of another model (model_type='llama'" in errors[0], errors
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "work" / "base").exists() or not any((tmp_path / "work" / "base").iterdir())
+
+
+def test_train_demo_adds_easy_direct_sums_to_the_corpus(tmp_path):
+    """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl; without it the corpus is the one
+    the shipped models were made from, and a run recorded before the option existed goes on under it."""
+    small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+             "--mix", "0.3", "0.26", "0.24", "0.2"]  # fmt: skip
+    plain = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    records = read_jsonl(tmp_path / "work" / "train.jsonl")
+    expected = generate_examples(60, seed=1, weights=[0.3, 0.26, 0.24, 0.2])
+    assert records == [example.to_record() for example in expected]
+    run_file = tmp_path / "work" / "run.json"
+    run = json.loads(run_file.read_text())
+    del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the option existed
+    run_file.write_text(json.dumps(run))
+    again = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+
+    other = tmp_path / "other"
+    other.mkdir()
+    easy = run_script("train_demo.py", *demo_dirs(other), "--stages", "data", *small, "--easy-direct-sums", "30",
+                      cwd=tmp_path)  # fmt: skip
+    assert easy.returncode == 0, easy.stderr[-2000:]
+    records = read_jsonl(other / "work" / "train.jsonl")
+    assert len(records) == 90
+    direct = [r for r in records if r["family"] == "addition" and not r["enable_thinking"]]
+    two_digit = [r for r in direct if re.fullmatch(r"\d\d \+ \d\d = \d+", r["expected"])]
+    assert len(two_digit) >= 30
+    assert records[:30] != [r for r in records if r not in two_digit][:30]  # mixed in, not appended
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_train_demo_extends_a_finished_base(tmp_path):
