@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
 SELF_SPECULATIVE = "self_speculative"
+# The two kinds of addition: 2-3 digit operands answered at once (thinking off), 3-6 digits worked out column by
+# column (thinking on). Reported apart, not counted again in "all".
+ADDITION_KINDS = {False: "addition_direct", True: "addition_worked"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +60,8 @@ def is_clover(model) -> bool:
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_size: int, max_new_tokens: int) -> dict:
     """Greedy decoding of the examples (for Clover block diffusion at threshold `decoding`, or "self_speculative";
-    else the model's own AR `generate`); per family: correct count, new tokens (through EOS), forwards."""
+    else the model's own AR `generate`); per family: correct count, new tokens (through EOS), forwards. The
+    additions are also counted apart by kind (`ADDITION_KINDS`)."""
     encoded = [encode_example(tokenizer, e, model.config.max_position_embeddings)[0] for e in examples]
     order = sorted(range(len(examples)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     eos_ids = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
@@ -73,6 +77,10 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
             stats[family]["correct"] += int(check_reply(examples[i], reply))
             stats[family]["new_tokens"] += int(forwards["new"][j])
             stats[family]["forwards"] += int(forwards["forwards"][j])
+            if family == "addition":
+                kind = ADDITION_KINDS[examples[i].enable_thinking]
+                stats[kind]["total"] += 1
+                stats[kind]["correct"] += int(check_reply(examples[i], reply))
     return dict(stats)
 
 
@@ -93,7 +101,8 @@ def generate(model, batch, decoding, max_new_tokens, eos_ids) -> tuple[torch.Ten
 
 
 def summarise(stats: dict) -> dict:
-    total = {k: sum(s[k] for s in stats.values()) for k in ("correct", "total", "new_tokens", "forwards")}
+    families = [s for f, s in stats.items() if f in FAMILIES]
+    total = {k: sum(s[k] for s in families) for k in ("correct", "total", "new_tokens", "forwards")}
     return {
         "accuracy": {f: s["correct"] / s["total"] for f, s in stats.items()}
         | {"all": total["correct"] / total["total"]},
@@ -161,6 +170,13 @@ def main(argv=None) -> None:
         accuracy = result["accuracy"]
         cells = " | ".join(f"{100 * accuracy[f]:8.1f}%" for f in FAMILIES)
         print(f"{decoding:>16} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
+    kinds = [kind for kind in ADDITION_KINDS.values() if kind in next(iter(results.values()))["counts"]]
+    if kinds:
+        print("additions by kind (direct: 2-3 digits, thinking off; worked: 3-6 digits, column by column):")
+        for decoding, result in results.items():
+            counts = result["counts"]
+            cells = ", ".join(f"{k.split('_')[1]} {counts[k]['correct']}/{counts[k]['total']}" for k in kinds)
+            print(f"{decoding:>16} | {cells}")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     payload = {

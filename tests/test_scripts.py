@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-from clover.demo_tasks import generate_examples
+from clover.demo_tasks import FAMILIES, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"
@@ -96,14 +96,22 @@ def test_every_script_has_a_case():
 
 
 def test_eval_demo_decodes_self_speculatively_too(tmp_path):
-    """--self-speculative adds a row to the table and the JSON; the plot keeps the thresholds only."""
+    """--self-speculative adds a row to the table and the JSON; the plot keeps the thresholds only. The additions
+    are also counted by kind (direct or worked), apart from the families."""
     result = run_script("eval_demo.py", "--per-family", "1", "--thresholds", "0.95", "--self-speculative",
                         "--output", str(tmp_path), cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"^\s*self_speculative \|", result.stdout, re.MULTILINE), result.stdout
     results = json.loads((tmp_path / "eval_demo.json").read_text())["results"]
     assert set(results) == {"0.95", "self_speculative"}
-    assert sum(s["total"] for s in results["self_speculative"]["counts"].values()) == 4
+    counts = results["self_speculative"]["counts"]
+    assert sum(counts[family]["total"] for family in FAMILIES) == 4
+    kinds = [counts[kind] for kind in ("addition_direct", "addition_worked") if kind in counts]
+    assert (
+        sum(kind["total"] for kind in kinds) == 1
+        and sum(kind["correct"] for kind in kinds) == counts["addition"]["correct"]
+    )
+    assert re.search(r"^additions by kind", result.stdout, re.MULTILINE), result.stdout
     assert (tmp_path / "eval_demo.png").is_file()
 
 
