@@ -72,15 +72,15 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
         new, forwards = generate(model, batch, decoding, max_new_tokens, eos_ids)
         for j, i in enumerate(rows):
             reply = tokenizer.decode(new[j, : int(forwards["new"][j])], skip_special_tokens=True)
-            family = examples[i].family
+            family, right = examples[i].family, int(check_reply(examples[i], reply))
             stats[family]["total"] += 1
-            stats[family]["correct"] += int(check_reply(examples[i], reply))
+            stats[family]["correct"] += right
             stats[family]["new_tokens"] += int(forwards["new"][j])
             stats[family]["forwards"] += int(forwards["forwards"][j])
             if family == "addition":
                 kind = ADDITION_KINDS[examples[i].enable_thinking]
                 stats[kind]["total"] += 1
-                stats[kind]["correct"] += int(check_reply(examples[i], reply))
+                stats[kind]["correct"] += right
     return dict(stats)
 
 
