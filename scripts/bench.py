@@ -173,13 +173,9 @@ def step_profile(model, prompt_length: int = 256, steps: int = 5) -> dict:
         if step == 1:  # the first step warms caches up
             for timer in (t for ts in timers.values() for t in ts):
                 timer.seconds = 0.0
-        start = time.perf_counter()
-        hidden = model.model(
-            input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False
-        )
-        model.lm_head(hidden.last_hidden_state)
+        seconds = timed_step(model, cache, block, positions)
         if step:
-            totals.append(time.perf_counter() - start)
+            totals.append(seconds)
     profile = {part: 1000 * sum(t.seconds for t in ts) / steps for part, ts in timers.items()}
     profile["total"] = 1000 * sum(totals) / steps
     profile["rest"] = profile["total"] - sum(profile[part] for part in PARTS)
@@ -187,6 +183,15 @@ def step_profile(model, prompt_length: int = 256, steps: int = 5) -> dict:
         for timer in ts:
             timer.remove()
     return profile
+
+
+def timed_step(model, cache, block, positions) -> float:
+    """Seconds of one denoising forward of `block` on the committed `cache` (one unpadded block, as generate runs it),
+    then lm_head on the block."""
+    start = time.perf_counter()
+    hidden = model.model(input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False)
+    model.lm_head(hidden.last_hidden_state)
+    return time.perf_counter() - start
 
 
 def prefilled_cache(model, length: int):
@@ -226,12 +231,7 @@ def step_time(model, prompt_lengths, steps) -> dict:
     times = {length: [] for length in prompt_lengths}
     for _ in range(steps + 2):
         for length, (cache, block, positions) in prefilled.items():
-            start = time.perf_counter()
-            hidden = model.model(
-                input_ids=block, past_key_values=cache, block_ids=0, position_ids=positions, use_cache=False
-            )
-            model.lm_head(hidden.last_hidden_state)
-            times[length].append(time.perf_counter() - start)
+            times[length].append(timed_step(model, cache, block, positions))
     return {length: statistics.median(seconds[2:]) for length, seconds in times.items()}
 
 
