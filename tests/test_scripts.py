@@ -141,9 +141,10 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
     assert not (tmp_path / "work" / "base").exists() or not any((tmp_path / "work" / "base").iterdir())
 
 
-def test_train_demo_adds_easy_direct_sums_to_the_corpus(tmp_path):
-    """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl; without it the corpus is the one
-    the shipped models were made from, and a run recorded before the option existed goes on under it."""
+def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
+    """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl, --worked-additions N adds N
+    additions worked out with thinking on; without them the corpus is the one the shipped models were made from, and
+    a run recorded before the options existed goes on under them."""
     small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
              "--mix", "0.3", "0.26", "0.24", "0.2"]  # fmt: skip
     plain = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
@@ -153,7 +154,8 @@ def test_train_demo_adds_easy_direct_sums_to_the_corpus(tmp_path):
     assert records == [example.to_record() for example in expected]
     run_file = tmp_path / "work" / "run.json"
     run = json.loads(run_file.read_text())
-    del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the option existed
+    del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the options existed
+    del run["settings"]["data"]["worked_additions"]
     run_file.write_text(json.dumps(run))
     again = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -169,6 +171,18 @@ def test_train_demo_adds_easy_direct_sums_to_the_corpus(tmp_path):
     two_digit = [r for r in direct if re.fullmatch(r"\d\d \+ \d\d = \d+", r["expected"])]
     assert len(two_digit) >= 30
     assert records[:30] != [r for r in records if r not in two_digit][:30]  # mixed in, not appended
+
+    worked_dir = tmp_path / "worked"
+    worked_dir.mkdir()
+    worked = run_script("train_demo.py", *demo_dirs(worked_dir), "--stages", "data", *small, "--worked-additions",
+                        "40", cwd=tmp_path)  # fmt: skip
+    assert worked.returncode == 0, worked.stderr[-2000:]
+    records = read_jsonl(worked_dir / "work" / "train.jsonl")
+    assert len(records) == 100
+    with_working = [r for r in records if r["family"] == "addition" and r["enable_thinking"]]
+    assert len(with_working) >= 40
+    assert all("answer " in r["messages"][-1]["reasoning_content"] for r in with_working)
+    assert records[:40] != with_working[:40]  # mixed in, not appended
 
 
 def read_jsonl(path: Path) -> list[dict]:
