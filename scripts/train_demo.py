@@ -97,6 +97,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="N more training conversations: sums of two 2-digit numbers answered directly (thinking off)",
     )
     parser.add_argument(
+        "--direct-sums",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more training conversations: sums of 2-3 digit numbers answered directly (thinking off)",
+    )
+    parser.add_argument(
         "--worked-additions",
         type=int,
         default=0,
@@ -137,15 +144,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # What makes each stage the same stage: a stage that has started (finished, or left checkpoints) is only continued
 # under the settings that started it; a later stage may still change its own.
 STAGE_SETTINGS = {
-    "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "easy_direct_sums", "worked_additions",
-             "vocab_size", "seed"),
+    "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "easy_direct_sums", "direct_sums",
+             "worked_additions", "vocab_size", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
     "adapt": ("adapt_steps", "adapt_lr", "noise_eps", "causal_loss_weight"),
 }  # fmt: skip
 # Settings added after runs were recorded without them, with the value those runs had.
-ADDED_SETTINGS = {"easy_direct_sums": 0, "worked_additions": 0}
+ADDED_SETTINGS = {"easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0}
 # The setting that a finished stage may raise, to train on from its last checkpoint.
 EXTENDABLE = {"base": "base_steps", "adapt": "adapt_steps"}
 
@@ -302,11 +309,12 @@ def stage_data(args, run: Run) -> None:
     # alone the base stayed at chance in the units digit for 400 steps, on 2-digit ones it took off within 300.
     easy_sums = generate_examples(args.easy_direct_sums, args.seed + 5, ("addition",), level="warmup",
                                   enable_thinking=False)  # fmt: skip
+    direct_sums = generate_examples(args.direct_sums, args.seed + 7, ("addition",), enable_thinking=False)
     # The worked additions get better the more of the steps they take: the base trained on them alone went from
     # 17 to 37 of 48 held-out ones in 300 steps, while in the full mix they stayed near half.
     worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), enable_thinking=True)
-    if easy_sums or worked:
-        train += easy_sums + worked
+    if easy_sums or direct_sums or worked:
+        train += easy_sums + direct_sums + worked
         random.Random(args.seed + 5).shuffle(train)
     write_chat_jsonl(train, work / "train.jsonl")
     copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level="warmup")

@@ -142,8 +142,8 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
 
 
 def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
-    """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl, --worked-additions N adds N
-    additions worked out with thinking on; without them the corpus is the one the shipped models were made from, and
+    """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl, --direct-sums N adds N 2-3 digit
+    ones, --worked-additions N adds N additions worked out with thinking on; without them the corpus is the one the shipped models were made from, and
     a run recorded before the options existed goes on under them."""
     small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
              "--mix", "0.3", "0.26", "0.24", "0.2"]  # fmt: skip
@@ -156,6 +156,7 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     run = json.loads(run_file.read_text())
     del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the options existed
     del run["settings"]["data"]["worked_additions"]
+    del run["settings"]["data"]["direct_sums"]
     run_file.write_text(json.dumps(run))
     again = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -182,7 +183,20 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     with_working = [r for r in records if r["family"] == "addition" and r["enable_thinking"]]
     assert len(with_working) >= 40
     assert all("answer " in r["messages"][-1]["reasoning_content"] for r in with_working)
+
     assert records[:40] != with_working[:40]  # mixed in, not appended
+
+    direct_dir = tmp_path / "direct"
+    direct_dir.mkdir()
+    sums = run_script("train_demo.py", *demo_dirs(direct_dir), "--stages", "data", *small, "--direct-sums", "40",
+                      cwd=tmp_path)  # fmt: skip
+    assert sums.returncode == 0, sums.stderr[-2000:]
+    records = read_jsonl(direct_dir / "work" / "train.jsonl")
+    assert len(records) == 100
+    direct = [r for r in records if r["family"] == "addition" and not r["enable_thinking"]]
+    assert len(direct) >= 40
+    assert all(re.fullmatch(r"\d{2,3} \+ \d{2,3} = \d+", r["expected"]) for r in direct)
+    assert any(re.fullmatch(r"\d{3} \+ \d{3} = \d+", r["expected"]) for r in direct)
 
 
 def read_jsonl(path: Path) -> list[dict]:
