@@ -161,42 +161,34 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     again = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
 
-    other = tmp_path / "other"
-    other.mkdir()
-    easy = run_script("train_demo.py", *demo_dirs(other), "--stages", "data", *small, "--easy-direct-sums", "30",
-                      cwd=tmp_path)  # fmt: skip
-    assert easy.returncode == 0, easy.stderr[-2000:]
-    records = read_jsonl(other / "work" / "train.jsonl")
-    assert len(records) == 90
+    def corpus_with(option: str, count: int) -> list[dict]:
+        work = tmp_path / option.strip("-")
+        work.mkdir()
+        done = run_script("train_demo.py", *demo_dirs(work), "--stages", "data", *small, option, str(count),
+                          cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        records = read_jsonl(work / "work" / "train.jsonl")
+        assert len(records) == 60 + count
+        return records
+
+    records = corpus_with("--easy-direct-sums", 30)
     direct = [r for r in records if r["family"] == "addition" and not r["enable_thinking"]]
     two_digit = [r for r in direct if re.fullmatch(r"\d\d \+ \d\d = \d+", r["expected"])]
     assert len(two_digit) >= 30
     assert records[:30] != [r for r in records if r not in two_digit][:30]  # mixed in, not appended
 
-    worked_dir = tmp_path / "worked"
-    worked_dir.mkdir()
-    worked = run_script("train_demo.py", *demo_dirs(worked_dir), "--stages", "data", *small, "--worked-additions",
-                        "40", cwd=tmp_path)  # fmt: skip
-    assert worked.returncode == 0, worked.stderr[-2000:]
-    records = read_jsonl(worked_dir / "work" / "train.jsonl")
-    assert len(records) == 100
+    records = corpus_with("--worked-additions", 40)
     with_working = [r for r in records if r["family"] == "addition" and r["enable_thinking"]]
     assert len(with_working) >= 40
     assert all("answer " in r["messages"][-1]["reasoning_content"] for r in with_working)
-
     assert records[:40] != with_working[:40]  # mixed in, not appended
 
-    direct_dir = tmp_path / "direct"
-    direct_dir.mkdir()
-    sums = run_script("train_demo.py", *demo_dirs(direct_dir), "--stages", "data", *small, "--direct-sums", "40",
-                      cwd=tmp_path)  # fmt: skip
-    assert sums.returncode == 0, sums.stderr[-2000:]
-    records = read_jsonl(direct_dir / "work" / "train.jsonl")
-    assert len(records) == 100
+    records = corpus_with("--direct-sums", 40)
     direct = [r for r in records if r["family"] == "addition" and not r["enable_thinking"]]
     assert len(direct) >= 40
     assert all(re.fullmatch(r"\d{2,3} \+ \d{2,3} = \d+", r["expected"]) for r in direct)
     assert any(re.fullmatch(r"\d{3} \+ \d{3} = \d+", r["expected"]) for r in direct)
+    assert records[:40] != direct[:40]  # mixed in, not appended
 
 
 def read_jsonl(path: Path) -> list[dict]:
