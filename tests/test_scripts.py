@@ -143,8 +143,8 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
 
 def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl, --direct-sums N adds N 2-3 digit
-    ones, --worked-additions N adds N additions worked out with thinking on; without them the corpus is the one the shipped models were made from, and
-    a run recorded before the options existed goes on under them."""
+    ones, --worked-additions N adds N additions worked out with thinking on; without them the corpus is the one the
+    shipped models were made from, and a run recorded before the options existed goes on under them."""
     small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
              "--mix", "0.3", "0.26", "0.24", "0.2"]  # fmt: skip
     plain = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
