@@ -74,6 +74,9 @@ LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Clover checkpoint directory")
+    parser.add_argument(
+        "--tokenizer", default=None, help="directory of the tokenizer (default: --model; every checkpoint holds it)"
+    )
     parser.add_argument("--data", required=True, help="JSONL of chat examples")
     parser.add_argument("--eval-data", default=None, help="JSONL for periodic eval (default: 5%% of --data)")
     parser.add_argument("--output", required=True)
@@ -131,6 +134,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.resume_from_checkpoint == "last" and not args.checkpoint_dir:
         parser.error("--resume-from-checkpoint without a path resumes from --checkpoint-dir: pass that too.")
     return args
+
+
+def load_tokenizer(args):
+    """The tokenizer of --tokenizer, else of --model; a directory without one gets an error naming the fix."""
+    source = checkpoint_dir(args.model) if args.tokenizer is None else Path(args.tokenizer)
+    if not (source / "tokenizer_config.json").is_file():
+        flag = "--model" if args.tokenizer is None else "--tokenizer"
+        raise ValueError(
+            f"No tokenizer at {source} ({flag}; no tokenizer_config.json there): pass --tokenizer DIR, e.g. the "
+            "--model of the run that wrote this checkpoint (a checkpoint of train.py holds its tokenizer)."
+        )
+    # trust_remote_code: the config is remote code, and without it AutoTokenizer asks on stdin before loading.
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=True)
 
 
 def load_examples(path: str, tokenizer, max_length: int) -> list[dict]:
@@ -202,8 +218,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     set_seed(args.seed)  # before the LoRA init, which Trainer's own seeding comes too late for
-    # trust_remote_code: the config is remote code, and without it AutoTokenizer asks on stdin before loading.
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
+    tokenizer = load_tokenizer(args)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     if args.causal_loss_weight is not None:
         model.config.causal_loss_weight = args.causal_loss_weight
@@ -307,6 +322,7 @@ def _train_and_save(
         train_dataset=train_set,
         eval_dataset=eval_set,
         data_collator=collator,
+        processing_class=tokenizer,  # saved into every checkpoint, so a checkpoint is a --model of its own
         callbacks=[ExampleNoiseEpoch(collator)],
     )
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:

@@ -545,3 +545,26 @@ def test_failed_run_leaves_the_previous_output_untouched(train_script, tmp_path,
         train_script.main(["--model", str(DEMO), "--data", str(good), "--output", str(output), "--force"])
     assert {p.name: p.read_bytes() for p in output.iterdir()} == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]  # no work dir left
+
+
+def test_a_checkpoint_is_a_model_to_train_on_and_a_tokenizerless_one_is_named(train_script, tmp_path):
+    data = _write_jsonl(tmp_path / "data.jsonl", _good_lines(4))
+    run = ["--data", str(data), "--batch-size", "2", "--max-steps", "2", "--save-steps", "2", "--seed", "0"]
+    checkpoints = tmp_path / "checkpoints"
+    train_script.main(
+        ["--model", str(DEMO), *run, "--output", str(tmp_path / "a"), "--checkpoint-dir", str(checkpoints)]
+    )
+    checkpoint = checkpoints / "checkpoint-2"
+    assert (checkpoint / "tokenizer_config.json").is_file()
+    train_script.main(["--model", str(checkpoint), *run, "--output", str(tmp_path / "b")])  # a run goes on from it
+    assert AutoTokenizer.from_pretrained(tmp_path / "b", trust_remote_code=True).get_vocab() == (
+        AutoTokenizer.from_pretrained(DEMO, trust_remote_code=True).get_vocab()
+    )
+
+    for name in ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
+        (checkpoint / name).unlink(missing_ok=True)  # a checkpoint written without its tokenizer
+    with pytest.raises(ValueError, match=r"No tokenizer at .*checkpoint-2 \(--model; .*pass --tokenizer DIR"):
+        train_script.main(["--model", str(checkpoint), *run, "--output", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
+    train_script.main(["--model", str(checkpoint), "--tokenizer", str(DEMO), *run, "--output", str(tmp_path / "c")])
+    assert (tmp_path / "c" / "tokenizer_config.json").is_file()
