@@ -5,6 +5,8 @@ The demo model is trained from scratch on CPU, so every task is short and every 
 - ``addition``: with thinking on, add two numbers of 3 to 6 digits; the reasoning is the digit-by-digit working,
   right to left, one line per column (``7+5+0=12 write 2 carry 1``), then ``answer N``. With thinking off the
   answer comes directly, so the operands have 2 or 3 digits (a sum a small model can learn to write at once).
+  A level with ``column_sum_width=2`` writes column sums below 10 with a leading zero (``3+4+0=07 ...``), so every
+  column line has the same number of tokens.
 - ``sorting``: sort 5 to 12 integers from 0 to 99 ascending (sometimes descending, when the request says so).
 - ``reversal``: reverse a sequence of 3 to 10 common English words.
 - ``tool_call``: the system turn lists 1 or 2 tools (the list dominates the prompt, so it is kept short); the target is either the assistant's tool call, or the final
@@ -117,6 +119,10 @@ class DemoLevel:
     numbers_to_sort: tuple[int, int]
     words_to_reverse: tuple[int, int]
     word_pool: int  # reversal words come from the first word_pool of the word list
+    # Digits of a worked line's column sum. 2 writes sums below 10 with a leading zero (``3+4+0=07``), so every
+    # column line has the same length and a position alone says which kind of token goes there: block diffusion
+    # commits far-apart positions in one forward, and with 1 a line's length depends on a sum not yet written.
+    column_sum_width: int = 1
 
 
 LEVELS = {
@@ -226,11 +232,12 @@ def _assistant(content: str, reasoning: str | None, enable_thinking: bool, **ext
 # Addition
 
 
-def addition_working(a: int, b: int) -> str:
+def addition_working(a: int, b: int, column_sum_width: int = 1) -> str:
     """The digit-by-digit working for ``a + b``: one line per column, right to left, then ``answer N``.
 
     Each column line is ``{digit of a}+{digit of b}+{carry in}={column sum} write {sum % 10} carry {sum // 10}``
-    (a missing digit of the shorter number is 0); a final carry adds ``carry 1 write 1``.
+    (a missing digit of the shorter number is 0), the column sum zero-padded to `column_sum_width` digits; a final
+    carry adds ``carry 1 write 1``.
     """
     da, db = str(a)[::-1], str(b)[::-1]
     carry, lines = 0, []
@@ -238,7 +245,7 @@ def addition_working(a: int, b: int) -> str:
         x = int(da[i]) if i < len(da) else 0
         y = int(db[i]) if i < len(db) else 0
         s = x + y + carry
-        lines.append(f"{x}+{y}+{carry}={s} write {s % 10} carry {s // 10}")
+        lines.append(f"{x}+{y}+{carry}={s:0{column_sum_width}d} write {s % 10} carry {s // 10}")
         carry = s // 10
     if carry:
         lines.append(f"carry {carry} write {carry}")
@@ -265,7 +272,7 @@ def _make_addition(rng: random.Random, enable_thinking: bool, level: DemoLevel) 
     answer = f"{a} + {b} = {a + b}"
     messages = _pick_system(rng, _SYSTEM_PROMPTS)
     messages.append({"role": "user", "content": rng.choice(_ADDITION_REQUESTS).format(a=a, b=b)})
-    messages.append(_assistant(answer, addition_working(a, b), enable_thinking))
+    messages.append(_assistant(answer, addition_working(a, b, level.column_sum_width), enable_thinking))
     return DemoExample("addition", messages, None, enable_thinking, answer)
 
 
@@ -580,21 +587,23 @@ _MAKERS: dict[str, Callable[[random.Random, bool, DemoLevel], DemoExample]] = {
 
 
 def make_example(
-    family: str, rng: random.Random, enable_thinking: bool | None = None, level: str = "full"
+    family: str, rng: random.Random, enable_thinking: bool | None = None, level: str | DemoLevel = "full"
 ) -> DemoExample:
     """One example of `family`; thinking on or off at random (half each) unless `enable_thinking` is given.
-    `level` is a key of `LEVELS` ("full", the task as evaluated, or "warmup").
+    `level` is a key of `LEVELS` ("full", the task as evaluated, or "warmup") or a `DemoLevel`.
 
     For ``tool_call`` the target is, half of the time each, the tool-call turn or the final answer after the tool's
     response (see :func:`is_tool_call_target`).
     """
     if family not in _MAKERS:
         raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}")
-    if level not in LEVELS:
-        raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}")
+    if not isinstance(level, DemoLevel):
+        if level not in LEVELS:
+            raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)} or a DemoLevel")
+        level = LEVELS[level]
     if enable_thinking is None:
         enable_thinking = rng.random() < 0.5
-    return _MAKERS[family](rng, bool(enable_thinking), LEVELS[level])
+    return _MAKERS[family](rng, bool(enable_thinking), level)
 
 
 def generate_examples(
@@ -602,7 +611,7 @@ def generate_examples(
     seed: int,
     families: Sequence[str] = FAMILIES,
     weights: Sequence[float] | None = None,
-    level: str = "full",
+    level: str | DemoLevel = "full",
     enable_thinking: bool | None = None,
 ) -> list[DemoExample]:
     """`num_examples` examples of `families` at `level`, deterministic in `seed`; thinking on or off at random

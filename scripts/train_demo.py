@@ -31,13 +31,14 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
 from clover.cli_clover import run_main
-from clover.demo_tasks import FAMILIES, build_demo_tokenizer, generate_examples, write_chat_jsonl
+from clover.demo_tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
 from clover.training_clover import CausalChatCollator, encode_chat_examples, read_chat_jsonl, token_budget_batches
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,6 +111,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="N more training conversations: additions of 3-6 digit numbers worked out column by column (thinking on)",
     )
+    parser.add_argument(
+        "--column-sum-width",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="digits of a worked addition's column sums; 2 zero-pads them so every column line has one length",
+    )
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary (every task word one token)")
     parser.add_argument("--hidden-size", type=int, default=DEMO_ARCHITECTURE["hidden_size"])
     parser.add_argument(
@@ -145,14 +153,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 # under the settings that started it; a later stage may still change its own.
 STAGE_SETTINGS = {
     "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "easy_direct_sums", "direct_sums",
-             "worked_additions", "vocab_size", "seed"),
+             "worked_additions", "column_sum_width", "vocab_size", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
     "adapt": ("adapt_steps", "adapt_lr", "noise_eps", "causal_loss_weight"),
 }  # fmt: skip
 # Settings added after runs were recorded without them, with the value those runs had.
-ADDED_SETTINGS = {"easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0}
+ADDED_SETTINGS = {"easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0, "column_sum_width": 1}
 # The setting that a finished stage may raise, to train on from its last checkpoint.
 EXTENDABLE = {"base": "base_steps", "adapt": "adapt_steps"}
 
@@ -302,26 +310,27 @@ def stage_data(args, run: Run) -> None:
     """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
     work = run.work
     tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
+    full, warmup_level = (replace(LEVELS[name], column_sum_width=args.column_sum_width) for name in ("full", "warmup"))
     # Training conversations come from seed + 1 (the warm-ups from seeds + 3 and + 4), the eval-loss split from
     # seed + 2; eval_demo.py uses 12345.
-    train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix)
+    train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix, level=full)
     # A direct sum (thinking off, 2-3 digit operands) is learned from 2-digit ones first: trained on 2-3 digit sums
     # alone the base stayed at chance in the units digit for 400 steps, on 2-digit ones it took off within 300.
-    easy_sums = generate_examples(args.easy_direct_sums, args.seed + 5, ("addition",), level="warmup",
+    easy_sums = generate_examples(args.easy_direct_sums, args.seed + 5, ("addition",), level=warmup_level,
                                   enable_thinking=False)  # fmt: skip
-    direct_sums = generate_examples(args.direct_sums, args.seed + 7, ("addition",), enable_thinking=False)
+    direct_sums = generate_examples(args.direct_sums, args.seed + 7, ("addition",), level=full, enable_thinking=False)
     # The worked additions get better the more of the steps they take: the base trained on them alone went from
     # 17 to 37 of 48 held-out ones in 300 steps, while in the full mix they stayed near half.
-    worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), enable_thinking=True)
+    worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), level=full, enable_thinking=True)
     if easy_sums or direct_sums or worked:
         train += easy_sums + direct_sums + worked
         random.Random(args.seed + 5).shuffle(train)
     write_chat_jsonl(train, work / "train.jsonl")
-    copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level="warmup")
+    copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level=warmup_level)
     write_chat_jsonl(copy_warmup, work / "warmup-copy.jsonl")
-    warmup = generate_examples(args.warmup_examples, args.seed + 3, FAMILIES, args.mix, level="warmup")
+    warmup = generate_examples(args.warmup_examples, args.seed + 3, FAMILIES, args.mix, level=warmup_level)
     write_chat_jsonl(warmup, work / "warmup.jsonl")
-    write_chat_jsonl(generate_examples(256, seed=args.seed + 2), work / "eval.jsonl")
+    write_chat_jsonl(generate_examples(256, seed=args.seed + 2, level=full), work / "eval.jsonl")
     print(f"data: tokenizer of {len(tokenizer)} tokens; {len(copy_warmup)} + {len(warmup)} warm-up and {len(train)} "
           "training conversations")  # fmt: skip
 

@@ -3,11 +3,13 @@
 import json
 import random
 import re
+from dataclasses import replace
 
 import pytest
 
 from clover.demo_tasks import (
     FAMILIES,
+    LEVELS,
     SPECIAL_TOKENS,
     DemoExample,
     addition_working,
@@ -184,6 +186,25 @@ def test_addition_working_is_arithmetically_right():
     example = make_example("addition", rng, enable_thinking=True)
     a, b = map(int, re.findall(r"\d+", example.messages[-2]["content"]))
     assert example.messages[-1]["reasoning_content"] == addition_working(a, b)
+
+
+def test_fixed_width_working_gives_every_column_line_one_length(tokenizer):
+    """With column_sum_width=2 a column line is the same tokens long whatever its sum, and means the same."""
+    rng = random.Random(7)
+    lengths = {1: set(), 2: set()}
+    for a, b in [(rng.randint(100, 999999), rng.randint(100, 999999)) for _ in range(200)]:
+        plain, fixed = addition_working(a, b).split("\n"), addition_working(a, b, column_sum_width=2).split("\n")
+        assert [re.sub(r"=0(\d) ", r"=\1 ", line) for line in fixed] == plain
+        for width, lines in ((1, plain), (2, fixed)):
+            for line in (line for line in lines if "+" in line):  # the column lines
+                lengths[width].add(len(tokenizer(line, add_special_tokens=False)["input_ids"]))
+    assert len(lengths[2]) == 1
+    assert len(lengths[1]) == 2  # what the option removes: a sum of 10 or more makes the line a token longer
+    level = replace(LEVELS["full"], column_sum_width=2)
+    example = generate_examples(1, seed=3, families=("addition",), level=level, enable_thinking=True)[0]
+    a, b = map(int, re.findall(r"\d+", example.messages[-2]["content"]))
+    assert example.messages[-1]["reasoning_content"] == addition_working(a, b, column_sum_width=2)
+    assert example.expected == f"{a} + {b} = {a + b}"
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
