@@ -85,20 +85,22 @@ class ForwardTimer:
 
 
 def decode_runs(clover, base, tokenizer, examples, args) -> dict:
-    """Every decoder on every problem, batch 1: per decoder tokens, seconds, forwards and exact matches."""
+    """Every decoder on every problem, batch 1: per decoder tokens, seconds, forwards and exact matches.
+
+    The decoders take turns on each problem, so a slower or faster spell of a shared machine falls on all of them
+    alike and the speed ratios between them hold (run one decoder after another and the ratio moves with the
+    machine)."""
     decoders = {"AR base": None, **{f"Clover {t}": {"threshold": t} for t in args.thresholds}}
     decoders["Clover self-speculative"] = {"strategy": "self_speculative"}
     for steps in args.draft_steps:  # drafts capped at this many denoising steps: cheaper, the same tokens
         decoders[f"Clover self-speculative, <= {steps} draft steps"] = {"strategy": "self_speculative", "max_steps_per_block": steps}  # fmt: skip
     eos_ids = torch.tensor(clover.generation_config.eos_token_id).reshape(-1)
-    prompts = [
-        torch.tensor([encode_example(tokenizer, e, clover.config.max_position_embeddings)[0]]) for e in examples
-    ]
     timer = ForwardTimer(clover.model)
-    results = {}
-    for name, settings in tqdm(decoders.items(), desc="decoders"):
-        run = defaultdict(float)
-        for example, ids in zip(examples, prompts, strict=True):
+    runs = {name: defaultdict(float) for name in decoders}
+    for example in tqdm(examples, desc="problems"):
+        ids = torch.tensor([encode_example(tokenizer, example, clover.config.max_position_embeddings)[0]])
+        for name, settings in decoders.items():
+            run = runs[name]
             if settings is None:  # transformers' own autoregressive generate, KV cache
                 base.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
                 start = time.perf_counter()
@@ -127,9 +129,8 @@ def decode_runs(clover, base, tokenizer, examples, args) -> dict:
             run["forwards"] += forwards
             run["blocks"] += blocks
             run["denoising_steps"] += steps
-        results[name] = summarise(run)
     timer.remove()
-    return results
+    return {name: summarise(run) for name, run in runs.items()}
 
 
 def summarise(run: dict) -> dict:
