@@ -1141,20 +1141,40 @@ def draw_block_noise(
     block_size: int,
     generator: torch.Generator | None = None,
     eps: float = 1e-3,
+    suffix_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (row, block) a noise level t ~ U(eps, 1); each supervised token of the block is masked with probability
     t.
+
+    With `suffix_prob > 0`, that share of the blocks is masked as a suffix instead: the last ceil(t * n) of the
+    block's n supervised tokens, the clean prefix before them. Those are the states left-to-right-ish decoding
+    meets (LowConfidence commits mostly from the left), on which the uniform draw rarely lands for long answers.
+    With `suffix_prob=0` the draws are exactly those of the uniform noise alone.
 
     Returns: noise_mask bool (batch, seq), noise_level float (batch, seq) (the t of each token's block, 1 outside).
     """
     batch_size, seq_len = block_ids.shape
     device = block_ids.device
-    num_blocks = int(block_ids.max()) + 1 if block_ids.numel() else 0
-    t = eps + (1 - eps) * torch.rand(batch_size, max(num_blocks, 1), generator=generator, device="cpu").to(device)
+    num_blocks = max(int(block_ids.max()) + 1 if block_ids.numel() else 0, 1)
+    t = eps + (1 - eps) * torch.rand(batch_size, num_blocks, generator=generator, device="cpu").to(device)
     in_block = block_ids >= 0
     level = torch.where(in_block, t.gather(1, block_ids.clamp(min=0)), torch.ones_like(t[:, :1]))
     draws = torch.rand(batch_size, seq_len, generator=generator, device="cpu").to(device)
     mask = (draws < level) & supervised & in_block
+    if suffix_prob > 0:
+        as_suffix = torch.rand(batch_size, num_blocks, generator=generator, device="cpu").to(device) < suffix_prob
+        scored = (supervised & in_block).long()
+        index = block_ids.clamp(min=0)
+        per_block = torch.zeros(batch_size, num_blocks, dtype=torch.long, device=device).scatter_add_(1, index, scored)
+        # how many of its block's supervised tokens lie at or after each position
+        after = per_block.gather(1, index) - (scored.cumsum(1) - scored)
+        before_block = torch.zeros_like(per_block).scatter_reduce_(
+            1, index, scored.cumsum(1) - scored, reduce="amin", include_self=False
+        )
+        after = after + before_block.gather(1, index)
+        masked_count = (t * per_block).ceil()
+        suffix = scored.bool() & (after <= masked_count.gather(1, index))
+        mask = torch.where(as_suffix.gather(1, index) & in_block, suffix, mask)
     return mask, level
 
 

@@ -54,6 +54,9 @@ class CloverDataCollator:
         complementary: also train every example with the complement of its mask (rate 1 - t): each token is
             then seen masked exactly once per pair, which lowers the variance of the loss.
         eps: the smallest noise level.
+        suffix_prob: the share of blocks masked as a suffix (their last ceil(t * n) supervised tokens) rather than
+            uniformly: the clean-prefix states that decoding, which commits mostly from the left, goes through
+            (see `draw_block_noise`).
         per_example_noise: draw each row's noise from its own generator, seeded by (seed, the feature's
             `"example_index"`, `epoch`), instead of one generator per batch. The noise of an example then depends
             neither on the batch it lands in nor on the number of processes training: N processes with batch B
@@ -70,8 +73,11 @@ class CloverDataCollator:
     tail: str = "pad"
     mask_token_id: int | None = None
     per_example_noise: bool = False
+    suffix_prob: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.suffix_prob <= 1.0:
+            raise ValueError(f"suffix_prob ({self.suffix_prob!r}) is a share of the blocks: pick it in [0, 1].")
         if self.tail not in ("pad", "mask"):
             raise ValueError(f"tail ({self.tail!r}) must be 'pad' (supervised, weighted as one token) or 'mask'.")
         if self.tail == "mask" and self.mask_token_id is None:
@@ -135,7 +141,9 @@ class CloverDataCollator:
         if self.per_example_noise:
             noise_mask, noise_level = self._example_noise(features, labels != -100, block_ids, prompt_len)
         else:
-            noise_mask, noise_level = draw_block_noise(labels != -100, block_ids, bs, self.next_generator(), self.eps)
+            noise_mask, noise_level = draw_block_noise(
+                labels != -100, block_ids, bs, self.next_generator(), self.eps, self.suffix_prob
+            )
         noise_mask |= tail_mask
         batch_out = {
             "input_ids": input_ids,
@@ -167,6 +175,7 @@ class CloverDataCollator:
                 self.block_size,
                 self.example_generator(feature["example_index"]),
                 self.eps,
+                self.suffix_prob,
             )
             noise_mask[row, span], noise_level[row, span] = mask[0], level[0]
         return noise_mask, noise_level

@@ -110,6 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--complementary", action="store_true", help="complementary masking")
     parser.add_argument("--noise-eps", type=float, default=1e-3, help="the smallest noise level t")
     parser.add_argument(
+        "--suffix-noise",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="share of blocks masked as a suffix (a clean prefix, its last tokens masked) instead of uniformly",
+    )
+    parser.add_argument(
         "--causal-loss-weight", type=float, default=None, help="add a next-token loss on the clean sequence"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -314,7 +321,13 @@ def _train_and_save(
     if args.checkpoint_dir is None:
         training_args.output_dir = str(work / "checkpoints")
     collator = CloverDataCollator(
-        tokenizer.pad_token_id, block_size, args.seed, args.complementary, eps=args.noise_eps, per_example_noise=True
+        tokenizer.pad_token_id,
+        block_size,
+        args.seed,
+        args.complementary,
+        eps=args.noise_eps,
+        per_example_noise=True,
+        suffix_prob=args.suffix_noise,
     )
     trainer: Trainer = CloverTrainer(
         model=model,

@@ -118,6 +118,34 @@ def test_collator_complementary_doubles_the_batch_with_the_complement_mask():
     torch.testing.assert_close(pair["noise_level"][n:][~in_block], plain["noise_level"][~in_block])
 
 
+@pytest.mark.parametrize("per_example_noise", [False, True])
+def test_collator_suffix_noise_masks_the_last_ceil_t_n_supervised_tokens_of_each_block(per_example_noise):
+    features = [dict(f, example_index=i) for i, f in enumerate(_features([(3, 20), (5, 9), (2, 30), (4, 17)]))]
+    batch = CloverDataCollator(PAD, 8, seed=4, suffix_prob=1.0, per_example_noise=per_example_noise)(features)
+    supervised, block_ids = batch["labels"] != -100, batch["block_ids"]
+    for row in range(len(features)):
+        for block in range(int(block_ids.max()) + 1):
+            positions = ((block_ids[row] == block) & supervised[row]).nonzero().flatten().tolist()
+            if not positions:
+                continue
+            t = float(batch["noise_level"][row, positions[0]])
+            expected = positions[len(positions) - math.ceil(t * len(positions)) :]
+            assert batch["noise_mask"][row][block_ids[row] == block].nonzero().flatten().tolist() == [
+                p - int((block_ids[row] < block).sum()) for p in expected
+            ], (row, block, t)
+
+
+def test_collator_without_suffix_noise_draws_the_uniform_masks_unchanged():
+    features = _features([(3, 20), (5, 9), (2, 30)])
+    plain = CloverDataCollator(PAD, 8, seed=9)(features)
+    zero = CloverDataCollator(PAD, 8, seed=9, suffix_prob=0.0)(features)
+    half = CloverDataCollator(PAD, 8, seed=9, suffix_prob=0.5)(features)
+    torch.testing.assert_close(zero["noise_mask"], plain["noise_mask"])
+    torch.testing.assert_close(half["noise_level"], plain["noise_level"])  # the same t, some blocks masked as suffix
+    with pytest.raises(ValueError, match=r"suffix_prob \(1.5\).*\[0, 1\]"):
+        CloverDataCollator(PAD, 8, suffix_prob=1.5)
+
+
 @pytest.mark.parametrize("empty", ["prompt_ids", "answer_ids"])
 def test_collator_rejects_an_empty_prompt_or_answer_naming_the_example(empty):
     features = _features([(3, 5), (4, 6), (2, 3)])
