@@ -11,7 +11,8 @@
    the rest), on the shipped model and on a slice of the real 35B shape (one Gated DeltaNet and one attention
    layer, 256 experts, the 248,320-token vocabulary, bf16).
 3. Time per denoising step against prompt length (128 to 8192 tokens); loop overhead (generate's wall time over the
-   time inside the network: the trunk's forwards and the lm_head projections; over the trunk alone, too); forwards per block against denoising steps per block.
+   time inside the network: the trunk's forwards and the lm_head projections; over the trunk alone, too); forwards
+   per block against denoising steps per block.
 Prints the tables, writes bench.json and bench.png (exact match against tokens/s, the AR base as a point).
 """
 

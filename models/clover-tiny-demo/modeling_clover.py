@@ -1163,17 +1163,15 @@ def draw_block_noise(
     mask = (draws < level) & supervised & in_block
     if suffix_prob > 0:
         as_suffix = torch.rand(batch_size, num_blocks, generator=generator, device="cpu").to(device) < suffix_prob
-        scored = (supervised & in_block).long()
+        scored = supervised & in_block
         index = block_ids.clamp(min=0)
-        per_block = torch.zeros(batch_size, num_blocks, dtype=torch.long, device=device).scatter_add_(1, index, scored)
-        # how many of its block's supervised tokens lie at or after each position
-        after = per_block.gather(1, index) - (scored.cumsum(1) - scored)
-        before_block = torch.zeros_like(per_block).scatter_reduce_(
-            1, index, scored.cumsum(1) - scored, reduce="amin", include_self=False
+        per_block = torch.zeros(batch_size, num_blocks, dtype=torch.long, device=device).scatter_add_(
+            1, index, scored.long()
         )
-        after = after + before_block.gather(1, index)
-        masked_count = (t * per_block).ceil()
-        suffix = scored.bool() & (after <= masked_count.gather(1, index))
+        # 1-based rank of each supervised token in its block (blocks are contiguous and in order along a row)
+        rank = scored.long().cumsum(1) - (per_block.cumsum(1) - per_block).gather(1, index)
+        kept = per_block - (t * per_block).ceil().long()  # the clean prefix: the first n - ceil(t * n) tokens
+        suffix = scored & (rank > kept.gather(1, index))
         mask = torch.where(as_suffix.gather(1, index) & in_block, suffix, mask)
     return mask, level
 
