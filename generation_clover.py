@@ -34,6 +34,9 @@ STRATEGIES = {"low_confidence": "_decode_low_confidence", "self_speculative": "_
 # A compiled generate rounds its static cache up to a multiple of this, so prompts of nearby lengths share a trace.
 STATIC_LENGTH_MULTIPLE = 256
 
+# `positions_to_keep` of a forward whose outputs nothing reads (it only fills the cache).
+_NOTHING = torch.empty(0, dtype=torch.long)
+
 logger = logging.get_logger(__name__)
 
 
@@ -61,8 +64,9 @@ class CloverGenerationConfig(GenerationConfig):
             The prompt enters the cache in chunks of this many tokens, so a long prompt never builds a dense
             (prompt x prompt) attention mask (16 GiB at 131,072 tokens).
         sparse_lm_head (`bool`, defaults to True):
-            Project `lm_head` only onto the positions still to be decided (the same tokens as projecting the whole
-            block, greedy; sampling draws fewer random numbers).
+            Run the last layer and project `lm_head` only on the positions still to be decided (the same tokens as
+            the whole block, greedy; sampling draws fewer random numbers). Eager only: a compiled step runs the whole
+            block.
         strategy (`str`, defaults to `"low_confidence"`):
             `"low_confidence"`: block diffusion, block by block. `"self_speculative"`: drafts made by block diffusion
             and verified by the causal forward, exactly the model's causal greedy decoding (greedy only, eager only;
@@ -322,7 +326,8 @@ class CloverGenerationMixin(GenerationMixin):
             if config.fuse_commit:
                 pending = canvas  # committed by the next block's first forward
             else:
-                self.decode_step(canvas, state=state, commit_length=canvas.shape[1])
+                keep = None if config.compile else _NOTHING.to(canvas.device)  # only the cache reads this forward
+                self.decode_step(canvas, state=state, commit_length=canvas.shape[1], positions_to_keep=keep)
                 num_forwards += (~finished).long()
         return sequences, num_forwards, steps_per_block
 
@@ -339,11 +344,12 @@ class CloverGenerationMixin(GenerationMixin):
         forwards = torch.zeros(batch_size, dtype=torch.long, device=sequences.device)
         steps = 0
         while bool(to_decode.any()):  # one host sync per step: the loop must know when the block is done
+            keep = _columns_to_keep(to_decode, config)
             if pending is None:
-                hidden_states = self.decode_step(canvas, state=state)
+                hidden_states = self._canvas_states(canvas, state, keep)
             else:  # the previous block enters the cache in this block's first forward
                 inputs = torch.cat([pending, canvas], dim=1)
-                hidden_states = self.decode_step(inputs, state=state, commit_length=block_size)[:, block_size:]
+                hidden_states = self._canvas_states(inputs, state, keep, commit_length=block_size)
                 pending = None
             forwards += to_decode.any(dim=-1).long()  # rows already done in this block ride along free
             steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps, 1)
@@ -355,6 +361,16 @@ class CloverGenerationMixin(GenerationMixin):
             if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
                 decoding.streamer.put_draft(canvas.cpu())
         return canvas, steps, forwards
+
+    def _canvas_states(self, inputs, state, keep, commit_length: int = 0) -> torch.Tensor:
+        """The final hidden states (batch, block, hidden) of the canvas: the last `block_size` columns of `inputs`,
+        after the `commit_length` tokens the forward commits. With `keep` (canvas columns) the last layer runs only
+        there and the other columns' states are left zero: nothing reads them."""
+        offset = inputs.shape[1] - self.config.block_size
+        if keep is None:
+            return self.decode_step(inputs, state=state, commit_length=commit_length)[:, offset:]
+        kept = self.decode_step(inputs, state=state, commit_length=commit_length, positions_to_keep=keep + offset)
+        return kept.new_zeros(kept.shape[0], self.config.block_size, kept.shape[2]).index_copy_(1, keep, kept)
 
     def _denoising_step(self, canvas, hidden_states, to_decode, context, decoding: _Decoding, steps_left):
         """One LowConfidence step on the canvas (batch, block) and its final hidden states (batch, block, hidden).
@@ -444,12 +460,14 @@ class CloverGenerationMixin(GenerationMixin):
         config = decoding.config
         block_size = config.block_size
         canvas = torch.full((1, block_size), config.mask_token_id, dtype=torch.long, device=pending.device)
-        inputs = torch.cat([pending, canvas], dim=1)
-        hidden_states = self.decode_step(inputs, state=state, commit_length=pending.shape[1], causal_tokens=pending.shape[1])  # fmt: skip
-        next_token = self.lm_head(hidden_states[:, pending.shape[1] - 1]).argmax(dim=-1)  # what causal greedy emits
+        inputs, committed = torch.cat([pending, canvas], dim=1), pending.shape[1]
+        # Read: the last pending token's state (the causal next token) and the canvas's.
+        keep = torch.arange(committed - 1, inputs.shape[1], device=inputs.device)
+        hidden_states = self.decode_step(inputs, state=state, commit_length=committed, causal_tokens=committed, positions_to_keep=keep)  # fmt: skip
+        next_token = self.lm_head(hidden_states[:, 0]).argmax(dim=-1)  # what causal greedy emits
         canvas[:, 0] = next_token
         to_decode = canvas == config.mask_token_id
-        hidden_states, steps = hidden_states[:, -block_size:], 1
+        hidden_states, steps = hidden_states[:, 1:], 1
         while True:
             # max_steps_per_block caps a draft's steps: a cheaper, rougher draft; the verify keeps the output exact.
             steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps + 1, 1)
@@ -459,7 +477,7 @@ class CloverGenerationMixin(GenerationMixin):
                 decoding.streamer.put_draft(canvas.cpu())
             if not bool(to_decode.any()):
                 return canvas, next_token, steps
-            hidden_states = self.decode_step(canvas, state=state)
+            hidden_states = self._canvas_states(canvas, state, _columns_to_keep(to_decode, config))
             steps += 1
 
     def _finalize(self, input_ids, sequences, num_forwards, steps_per_block, decoding: _Decoding):
@@ -603,6 +621,7 @@ class CloverGenerationMixin(GenerationMixin):
                 attention_mask=full_mask if config.compile else attention_mask[:, :end],
                 past_key_values=cache,
                 use_cache=True,
+                positions_to_keep=_NOTHING.to(input_ids.device),  # only the cache reads a prompt chunk
             )
         return CloverDecodingState(
             cache=cache,
@@ -664,6 +683,14 @@ def first_eos_index(tokens: torch.Tensor, eos_ids: torch.Tensor, is_eos: torch.T
         is_eos = torch.isin(tokens, eos_ids)
     index = torch.arange(tokens.shape[-1], device=tokens.device)
     return torch.where(is_eos, index, tokens.shape[-1]).min(dim=-1).values
+
+
+def _columns_to_keep(to_decode, config) -> torch.Tensor | None:
+    """The canvas columns a denoising forward must run its last layer on: where some row still decides a token
+    (`sparse_lm_head`). None (every column) when compiled: a varying length would retrace the step."""
+    if config.compile or not config.sparse_lm_head:
+        return None
+    return to_decode.any(dim=0).nonzero().squeeze(1)
 
 
 def _stop_after_eos(canvas, to_decode, eos_ids) -> torch.Tensor:

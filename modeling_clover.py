@@ -231,7 +231,8 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
     output_chunk_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    output_final_state: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The gated delta rule, exact up to rounding, computed chunk by chunk (torch reference path).
 
     Per head, with state S (k_dim, v_dim), each token does
@@ -241,8 +242,9 @@ def chunk_gated_delta_rule(
 
     Args: query/key (batch, seq, heads, k_dim), already L2-normalised and (query) scaled; value (batch, seq, heads,
         v_dim); g (log decay, <= 0) and beta (batch, seq, heads); initial_state (batch, heads, k_dim, v_dim).
-    Returns: output (batch, seq, heads, v_dim) in value's dtype; the final state (fp32); with `output_chunk_states`
-        the state at the start of every chunk (batch, heads, num_chunks, k_dim, v_dim).
+    Returns: output (batch, seq, heads, v_dim) in value's dtype; the final state (fp32; None without
+        `output_final_state`: a denoising forward only reads); with `output_chunk_states` the state at the start of
+        every chunk (batch, heads, num_chunks, k_dim, v_dim).
     """
     batch_size, seq_len, num_heads, k_dim = key.shape
     v_dim = value.shape[-1]
@@ -267,12 +269,15 @@ def chunk_gated_delta_rule(
     # (I + A) u = beta v - beta exp(log_decay) K S0, with A[i, j] = beta_i decay(i<-j) k_i.k_j for j < i.
     strict = (key @ key.transpose(-1, -2)) * pair_decay * beta[..., None]
     system = torch.eye(chunk_size, device=key.device) + strict.masked_fill(~lower.tril(-1), 0.0)
-    solve = torch.linalg.solve_triangular
-    value_part = solve(system, value * beta[..., None], upper=False, unitriangular=True)  # (b, h, n, c, v)
-    state_part = solve(system, key * (beta * log_decay.exp())[..., None], upper=False, unitriangular=True)
+    # Both right-hand sides in one solve: (b, h, n, c, v + k).
+    rhs = torch.cat([value * beta[..., None], key * (beta * log_decay.exp())[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    value_part, state_part = solved[..., :v_dim], solved[..., v_dim:]
     attn = (query @ key.transpose(-1, -2)) * pair_decay  # (b, h, n, c, c), causal inside the chunk
     query_decayed = query * log_decay.exp()[..., None]
-    key_to_end = key * (log_decay[..., -1:] - log_decay).exp()[..., None]  # decay from each token to the chunk end
+    # Each token's decay to its chunk's end, which carries the state on (past the last chunk only when wanted).
+    carried = output_final_state or num_chunks > 1
+    key_to_end = key * (log_decay[..., -1:] - log_decay).exp()[..., None] if carried else None
 
     state = (
         initial_state.float()
@@ -284,22 +289,26 @@ def chunk_gated_delta_rule(
         chunk_states.append(state)
         u = value_part[:, :, n] - state_part[:, :, n] @ state  # (b, h, c, v)
         outputs.append(query_decayed[:, :, n] @ state + attn[:, :, n] @ u)
-        state = state * log_decay[:, :, n, -1, None, None].exp() + key_to_end[:, :, n].transpose(-1, -2) @ u
+        if n < num_chunks - 1 or output_final_state:
+            state = state * log_decay[:, :, n, -1, None, None].exp() + key_to_end[:, :, n].transpose(-1, -2) @ u
 
     output = torch.stack(outputs, dim=2).reshape(batch_size, num_heads, -1, v_dim)[:, :, :seq_len]
     states = torch.stack(chunk_states, dim=2) if output_chunk_states else None
-    return output.transpose(1, 2).to(out_dtype), state, states
+    return output.transpose(1, 2).to(out_dtype), state if output_final_state else None, states
 
 
-def gated_delta_rule(query, key, value, g, beta, initial_state=None):
-    """Dispatches to the fla kernel on CUDA when installed, else the torch reference. Returns (output, state)."""
+def gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state: bool = True):
+    """Dispatches to the fla kernel on CUDA when installed, else the torch reference. Returns (output, state), the
+    state None without `output_final_state`."""
     if fla_chunk_gated_delta_rule is not None and query.is_cuda:
         scale = 1.0  # our queries arrive already scaled
-        output, state = fla_chunk_gated_delta_rule(
-            query, key, value, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=True
-        )
-        return output, state
-    output, state, _ = chunk_gated_delta_rule(query, key, value, g, beta, initial_state)
+        return fla_chunk_gated_delta_rule(
+            query, key, value, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state,
+        )  # fmt: skip
+    output, state, _ = chunk_gated_delta_rule(
+        query, key, value, g, beta, initial_state, output_final_state=output_final_state
+    )
     return output, state
 
 
@@ -333,7 +342,13 @@ def causal_depthwise_conv(inputs: torch.Tensor, weight: torch.Tensor, window: to
             return cuda_causal_conv1d_fn(inputs, weight, None, activation="silu")
         window = inputs.new_zeros(inputs.shape[0], inputs.shape[1], kernel - 1)
     padded = torch.cat([window.to(inputs.dtype), inputs], dim=-1)
-    return F.silu(F.conv1d(padded, weight.unsqueeze(1).to(inputs.dtype), groups=inputs.shape[1]))
+    # A sum of `kernel` shifted products: for a decoding block it costs a fraction of a conv1d call, and over a
+    # training sequence no more. Accumulated in fp32 (at least), as the conv kernels do.
+    length, weight = inputs.shape[-1], weight.to(torch.promote_types(inputs.dtype, torch.float32))
+    output = padded[..., :length] * weight[:, :1]
+    for shift in range(1, kernel):
+        output = output + padded[..., shift : shift + length] * weight[:, shift : shift + 1]
+    return F.silu(output).to(inputs.dtype)
 
 
 class CloverCausalConv1d(nn.Conv1d):
@@ -430,8 +445,10 @@ class CloverGatedDeltaNet(nn.Module):
             query, key, value = self._split_heads(conv_out)
             if cache is not None and 0 < commit_length < seq_len:  # the committed prefix advances the state
                 core, committed_state = gated_delta_rule_with_commit(query, key, value, g, beta, state, commit_length)
-            else:
-                core, committed_state = gated_delta_rule(query, key, value, g, beta, state)
+            else:  # all committed, or nothing (a denoising forward only reads the state)
+                core, committed_state = gated_delta_rule(
+                    query, key, value, g, beta, state, output_final_state=cache is not None and commit_length > 0
+                )
             if cache is not None and commit_length > 0:
                 cache.update_linear(self.layer_idx, mixed_qkv[:, :, :commit_length], committed_state)
 
@@ -528,22 +545,33 @@ class CloverAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         cache: CloverCache | None = None,
+        query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`query_positions` (1-D): attend from these columns only (every column still gives its key and value);
+        the output then covers just them."""
         batch_size, seq_len, _ = hidden_states.shape
-        query, gate = self.q_proj(hidden_states).view(batch_size, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(batch_size, seq_len, -1)
-        query = self.q_norm(query).transpose(1, 2)  # (batch, heads, seq, head_dim)
-        key = self.k_norm(self.k_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim)).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(batch_size, seq_len, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
-
+        key = self.k_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim)
+        key = apply_partial_rotary(self.k_norm(key).transpose(1, 2), cos, sin)
+        value = self.v_proj(hidden_states).view(batch_size, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:  # committed keys, then this forward's (only the first commit_length stay committed)
             key, value = cache.attention_kv(self.layer_idx, key, value)
+        if query_positions is not None:
+            if query_positions.numel() == 0:  # only the cache reads this forward (and 4-bit kernels reject 0 rows)
+                return hidden_states[:, :0]
+            cos, sin = cos[:, query_positions], sin[:, query_positions]
+            hidden_states = hidden_states[:, query_positions]
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, :, query_positions]
+            seq_len = hidden_states.shape[1]
+        query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, 2 * self.head_dim)
+        query, gate = query.chunk(2, dim=-1)
+        gate = gate.reshape(batch_size, seq_len, self.num_heads * self.head_dim)
+        query = apply_partial_rotary(self.q_norm(query).transpose(1, 2), cos, sin)  # (batch, heads, seq, head_dim)
 
         attention = ATTENTION_FUNCTIONS[self.config._attn_implementation]
         output = attention(query, key, value, attention_mask, self.scaling)  # (batch, heads, seq, head_dim)
-        output = output.transpose(1, 2).reshape(batch_size, seq_len, -1) * torch.sigmoid(gate)
+        output = output.transpose(1, 2).reshape(gate.shape) * torch.sigmoid(gate)
         return self.o_proj(output)
 
 
@@ -659,13 +687,24 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
         cache: CloverCache | None = None,
         commit_length: int = 0,
         layout: TrainingLayout | None = None,
+        positions_to_keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions_to_keep` (1-D): the columns whose output is wanted (the last layer of a decoding forward);
+        the others still give their attention keys and values, or their Gated DeltaNet state, to the cache."""
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        if self.layer_type == "linear_attention":
+        if self.layer_type == "linear_attention":  # the scan needs every column; its output is cut after
             hidden_states = self.linear_attn(hidden_states, padding_mask, cache, commit_length, layout)
+            if positions_to_keep is not None:
+                hidden_states = hidden_states[:, positions_to_keep]
         else:
-            hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask, cache)
+            hidden_states = self.self_attn(
+                hidden_states, position_embeddings, attention_mask, cache, positions_to_keep
+            )
+        if positions_to_keep is not None:
+            if positions_to_keep.numel() == 0:  # the cache has what it needs: nothing is left to compute
+                return hidden_states, hidden_states.new_zeros(0, self.mlp.gate.weight.shape[0])
+            residual = residual[:, positions_to_keep]
         hidden_states = residual + hidden_states
         moe_out, router_logits = self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states + moe_out, router_logits
@@ -779,6 +818,7 @@ class CloverModel(CloverPreTrainedModel):
         commit_length: int | None = None,
         noisy_input_ids: torch.LongTensor | None = None,
         output_router_logits: bool = False,
+        positions_to_keep: torch.LongTensor | None = None,
         **kwargs,
     ) -> CloverModelOutput:
         r"""
@@ -792,6 +832,11 @@ class CloverModel(CloverPreTrainedModel):
         noisy_input_ids (`torch.LongTensor` of shape `(batch, answer_len)`, *optional*):
             Training forward: noised copies of the answer blocks (`block_ids >= 0`), run after the clean sequence;
             the output covers the clean tokens then the noisy ones.
+        positions_to_keep (`torch.LongTensor` of shape `(n,)`, *optional*):
+            The columns of this forward whose final hidden states are wanted; the output covers just them, in that
+            order. The last layer runs its queries, attention and MoE only there (every column still enters the
+            cache), which is what a decoding forward needs: the positions still to decide, or none at all when the
+            forward only commits (a prompt chunk). Without it, every column.
         """
         past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
         inputs_embeds = self._embed(input_ids, inputs_embeds)
@@ -825,7 +870,7 @@ class CloverModel(CloverPreTrainedModel):
             mask = self._block_mask(block_ids, attention_mask, past_key_values, batch_size, seq_len, columns.device)
 
         hidden_states, all_router_logits = self._decoder_stack(
-            inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout
+            inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout, positions_to_keep
         )
         if past_key_values is not None:
             past_key_values.advance(commit_length)
@@ -877,13 +922,15 @@ class CloverModel(CloverPreTrainedModel):
         past_length = cache.length if cache is not None else 0
         return block_causal_mask(block_ids, attention_mask, past_length, cache.max_length if static else None)
 
-    def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout):
+    def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout, keep):
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         all_router_logits = []
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
             hidden_states, router_logits = layer(
-                hidden_states, position_embeddings, mask, padding_mask, cache, commit_length, layout
-            )
+                hidden_states, position_embeddings, mask, padding_mask, cache, commit_length, layout,
+                keep if index == last else None,
+            )  # fmt: skip
             all_router_logits.append(router_logits)
         return self.norm(hidden_states), all_router_logits
 
@@ -986,7 +1033,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         noise_mask: torch.BoolTensor | None = None,
         noise_level: torch.FloatTensor | None = None,
         label_weights: torch.FloatTensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> CloverOutput:
@@ -1000,7 +1047,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         noise_level (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): the t of each token's block.
         label_weights (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): per-token loss weights (1 for
             every supervised token when not given; `CloverDataCollator` weights the padding after EOS down).
-        logits_to_keep (`int`): if > 0, compute logits only for the last `logits_to_keep` positions.
+        logits_to_keep (`int` or `torch.LongTensor` of shape `(n,)`): if > 0, logits only for the last
+            `logits_to_keep` positions; a tensor names the positions. The last layer then runs only there too
+            (`CloverModel`'s `positions_to_keep`).
         """
         past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values
         output_router_logits = (
@@ -1017,6 +1066,13 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
                 label_weights,
                 output_router_logits,
             )
+        positions_to_keep = None
+        if isinstance(logits_to_keep, torch.Tensor):
+            positions_to_keep = logits_to_keep
+        elif logits_to_keep:
+            inputs = input_ids if input_ids is not None else inputs_embeds
+            seq_len = inputs.shape[1]
+            positions_to_keep = torch.arange(max(seq_len - logits_to_keep, 0), seq_len, device=inputs.device)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1027,12 +1083,10 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             block_ids=block_ids,
             commit_length=commit_length,
             output_router_logits=output_router_logits,
+            positions_to_keep=positions_to_keep,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
         return CloverOutput(
-            logits=self.lm_head(hidden_states),
+            logits=self.lm_head(outputs.last_hidden_state),
             cache=outputs.cache,
             router_logits=outputs.router_logits,
         )
@@ -1044,6 +1098,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         state: CloverDecodingState,
         commit_length: int = 0,
         causal_tokens: int = 0,
+        positions_to_keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
 
@@ -1053,7 +1108,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         forward of self-speculative decoding), the rest form blocks of `block_size`. This is where a decoding
         forward's mask is decided: a forward that is one block of an unpadded batch sees the cache and itself, so
         it attends with no mask at all. Returns the final hidden states (batch, n, hidden), for `lm_head` to project
-        where a token is still to be decided; the cache advances by `commit_length`.
+        where a token is still to be decided; the cache advances by `commit_length`. With `positions_to_keep` (1-D,
+        columns of `input_ids`) only those columns' states: the last layer runs only there.
         """
         cache, block_size = state.cache, self.config.block_size
         num_tokens = input_ids.shape[1]
@@ -1078,6 +1134,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             block_ids=block_ids,
             commit_length=commit_length,
             use_cache=True,
+            positions_to_keep=positions_to_keep,
         )
         return outputs.last_hidden_state
 

@@ -243,6 +243,41 @@ def test_fused_commit_and_denoise_equals_commit_then_denoise(tiny_model, padded_
         torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("last_layer", ["full_attention", "linear_attention"])
+@pytest.mark.parametrize("keep", [[BLOCK + 1, BLOCK + 3, 2 * BLOCK - 1], []])
+def test_positions_to_keep_gives_those_columns_and_fills_the_cache_alike(tiny_config, padded_batch, last_layer, keep):
+    """The last layer runs only at the kept columns (none: a forward that only commits), every column still enters
+    the cache, and the kept columns' states are the full forward's."""
+    config = tiny_config(layer_types=["linear_attention", "full_attention", "linear_attention", last_layer])
+    model = CloverForBlockDiffusion(config).eval()
+    input_ids, attention_mask, _, prompt_len = padded_batch
+    end = prompt_len + 2 * BLOCK
+    both = input_ids[:, prompt_len:end].clone()
+    both[:, BLOCK + 1 :: 2] = MASK_ID
+    block_ids = torch.tensor([0] * BLOCK + [1] * BLOCK).expand(2, -1)
+    cache, _ = _prefill(model, input_ids, attention_mask, prompt_len)
+    pruned_cache = cache.copy()
+    keep = torch.tensor(keep, dtype=torch.long)
+
+    def forward(cache, positions_to_keep):
+        with torch.no_grad():
+            return model.model(
+                both, attention_mask=attention_mask[:, :end], past_key_values=cache, block_ids=block_ids,
+                commit_length=BLOCK, positions_to_keep=positions_to_keep,
+            ).last_hidden_state  # fmt: skip
+
+    full, pruned = forward(cache, None), forward(pruned_cache, keep)
+    assert pruned.shape == (2, len(keep), config.hidden_size)
+    torch.testing.assert_close(pruned, full[:, keep], atol=1e-5, rtol=1e-5)
+    assert pruned_cache.get_seq_length() == cache.get_seq_length() == prompt_len + BLOCK
+    for a, b in zip(pruned_cache.tensors(), cache.tensors(), strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # logits_to_keep runs the same pruned last layer
+        logits = model(input_ids, attention_mask=attention_mask, logits_to_keep=3).logits
+        expected = model(input_ids, attention_mask=attention_mask).logits[:, -3:]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_left_padding_stays_out_of_the_gdn_scan_and_conv_window(tiny_model):
     row = random_ids(1, 10, seed=3)
     other = random_ids(1, 14, seed=4)
