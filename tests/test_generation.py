@@ -207,6 +207,40 @@ def test_self_speculative_equals_causal_greedy_decoding(model, prompt_len, seed)
     assert int(out.num_forward_passes) <= sum(out.steps_per_block) + len(out.steps_per_block)
 
 
+@pytest.mark.parametrize(
+    "max_new_tokens,draft_starts",
+    [(30, [0, 8, 16, 24]), (9, [0])],  # 9: the first verify has no room for another draft after it, so no fold
+)
+def test_self_speculative_with_drafts_always_accepted_folds_each_verify_into_the_next_draft(
+    model, monkeypatch, max_new_tokens, draft_starts
+):
+    """A drafter that always proposes causal greedy's own tokens: each verify accepts its whole draft, commits it and
+    runs the next draft's first step, so an iteration costs one forward; the output stays causal greedy's."""
+    prompt = random_ids(1, 6, seed=1)
+    greedy = causal_greedy(model, prompt, 64)
+    assert EOS_ID not in greedy[:max_new_tokens]
+    starts = []
+
+    def oracle_draft(state, next_token, hidden_states, decoding):
+        start = state.cache.get_seq_length() - prompt.shape[1]  # every token before the draft is committed
+        assert int(next_token) == greedy[start]
+        starts.append(start)
+        return torch.tensor([greedy[start : start + BLOCK]]), 1
+
+    monkeypatch.setattr(model, "_denoise_draft", oracle_draft)
+    calls = []
+    hook = model.model.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
+    try:
+        out = generate(model, prompt, strategy="self_speculative", max_new_tokens=max_new_tokens)
+    finally:
+        hook.remove()
+    assert out.sequences[0, 6:].tolist() == greedy[:max_new_tokens]
+    assert starts == draft_starts  # a folded verify keeps its draft, the bonus starting the next one
+    assert int(out.num_forward_passes) == len(calls) - 1  # every forward after the prefill is counted
+    # the first draft's forward, then one verify per draft: each but the last runs the next draft's first step
+    assert int(out.num_forward_passes) == 1 + len(starts)
+
+
 @pytest.mark.parametrize("draft_steps", [1, 3])
 def test_self_speculative_with_capped_drafts_equals_causal_greedy_decoding(model, draft_steps):
     """max_steps_per_block caps a draft's denoising steps; the verify keeps the output that of causal greedy."""
@@ -214,7 +248,7 @@ def test_self_speculative_with_capped_drafts_equals_causal_greedy_decoding(model
     out = generate(model, prompt, strategy="self_speculative", max_steps_per_block=draft_steps)
     assert out.sequences[0, 6:].tolist() == causal_greedy(model, prompt, MAX_NEW_TOKENS)
     assert max(out.steps_per_block) <= draft_steps
-    assert int(out.num_forward_passes) == sum(out.steps_per_block) + len(out.steps_per_block)
+    assert int(out.num_forward_passes) <= sum(out.steps_per_block) + len(out.steps_per_block)
 
 
 def test_self_speculative_batch_of_unequal_prompts_equals_causal_greedy_per_row(model, unequal_prompts):
@@ -246,8 +280,9 @@ def test_self_speculative_counts_every_forward_after_the_prefill(model):
     finally:
         hook.remove()
     assert int(out.num_forward_passes) == len(calls) - 1  # one prefill forward (all but the last prompt token)
-    # draft steps + one verify forward per draft, except a draft that starts with EOS (none here)
-    assert int(out.num_forward_passes) == sum(out.steps_per_block) + len(out.steps_per_block)
+    # draft steps + one verify forward per draft (none starts with EOS here), less the drafts whose first step rode in
+    # the verify before them (whole drafts accepted: rare for this random model)
+    assert int(out.num_forward_passes) <= sum(out.steps_per_block) + len(out.steps_per_block)
 
 
 def test_self_speculative_refuses_sampling(tiny_model):

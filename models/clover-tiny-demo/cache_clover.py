@@ -114,6 +114,19 @@ class CloverCache:
             new.length = self.length.clone()
         return new
 
+    def snapshot(self) -> tuple:
+        """What `restore` needs to undo later commits of a dynamic cache: the committed length and the GDN states.
+        Cheap: a commit replaces the GDN tensors rather than writing into them, and attention keys past the length
+        are scratch."""
+        if self.static:
+            raise ValueError("A static cache updates its states in place: copy it (`CloverCache.copy`) to go back.")
+        return self.length, list(self.conv_states), list(self.recurrent_states)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Goes back to a `snapshot` of this cache (taken since no rows were dropped)."""
+        self.length, conv_states, recurrent_states = snapshot
+        self.conv_states, self.recurrent_states = list(conv_states), list(recurrent_states)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keeps only the given batch rows (drops finished sequences)."""
         for name in ("key_cache", "value_cache", "conv_states", "recurrent_states"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -412,62 +413,103 @@ class CloverGenerationMixin(GenerationMixin):
 
     def _self_speculative_row(self, prompt, decoding: _Decoding, stopping_criteria):
         """One row: draft a block, verify it with one causal forward, keep the longest prefix that equals the causal
-        argmax plus the causal model's own next token; the kept tokens are committed (causally) by the next draft's
-        first forward. Returns the new tokens (through EOS, at most max_new_tokens), forwards, draft steps."""
+        argmax plus the causal model's own next token. Returns the new tokens (through EOS, at most max_new_tokens),
+        forwards, draft steps per block.
+
+        A verify that has room for another draft after it also runs that draft's first denoising step (a block of
+        masks right after the draft) and commits the draft: when the whole draft is accepted, which is the common
+        case, the next draft starts from that step and no forward of its own commits the kept tokens. Otherwise the
+        cache is rolled back and the next draft's first forward commits the kept tokens (causally) as usual."""
         config, eos_ids, max_new_tokens = decoding.config, decoding.eos_ids, decoding.max_new_tokens
         block_size = config.block_size
         # The last prompt token is committed by the first draft's forward, which also gives the next causal token.
         # Room for the budget plus what a last iteration writes past it (its kept tokens, draft and verify).
         capacity = max_new_tokens + 2 * block_size + 1
         state = self._prefill(prompt[:, :-1], torch.ones_like(prompt[:, :-1]), capacity, config)
-        pending, generated, forwards, steps_per_block = prompt[:, -1:], [], 0, []
+        pending, carried, generated, forwards, steps_per_block = prompt[:, -1:], None, [], 0, []
+        length = 0
         while True:
-            draft, next_token, steps = self._draft(state, pending, decoding)
-            forwards += steps
+            if carried is None:
+                draft, next_token, steps = self._draft(state, pending, decoding)
+                forwards += steps
+            else:  # the draft's first step rode in the last verify
+                next_token, canvas_states = carried
+                draft, steps = self._denoise_draft(state, next_token, canvas_states, decoding)
+                forwards += steps - 1
             steps_per_block.append(steps)
+            carried = None
             if bool(torch.isin(next_token, eos_ids).any()):
                 kept = next_token  # the causal model ends here: nothing to verify
             else:
-                kept = self._verify(state, draft, next_token)
+                # Another draft follows a whole accepted one unless the budget or an EOS in the draft ends the row.
+                fold = length + block_size + 1 < max_new_tokens and not bool(torch.isin(draft, eos_ids).any())
+                kept, carried = self._verify(state, draft, next_token, fold, decoding)
                 forwards += 1
             eos = torch.isin(kept, eos_ids).nonzero()
             if len(eos):
                 kept = kept[: int(eos[0]) + 1]
             generated.append(kept)
-            length = sum(len(tokens) for tokens in generated)
+            length += len(kept)
             sequence = torch.cat([prompt[0], *generated])[None]
             if decoding.streamer is not None:
                 decoding.streamer.put(kept[: max(max_new_tokens - length + len(kept), 0)].cpu())
             done = len(eos) or length >= max_new_tokens
             if done or (len(stopping_criteria) and bool(stopping_criteria(sequence, None).all())):
                 return torch.cat(generated)[:max_new_tokens], forwards, steps_per_block
-            pending = kept[None]  # committed, causally, by the next draft's first forward
+            pending = kept[None]  # committed, causally, by the next draft's first forward (unless carried)
 
-    def _verify(self, state, draft, next_token) -> torch.Tensor:
-        """One causal forward over the draft (read-only): the longest draft prefix equal to causal greedy decoding,
-        then the causal model's own next token (the correction, or after a whole accepted draft the bonus)."""
+    def _verify(self, state, draft, next_token, fold: bool, decoding: _Decoding):
+        """One causal forward over the draft: the longest draft prefix equal to causal greedy decoding, then the
+        causal model's own next token (the correction, or after a whole accepted draft the bonus). With `fold`, the
+        forward also commits the draft and runs the first denoising step of a block of masks after it; a whole
+        accepted draft keeps both, the bonus then starting the next draft (returned as carried: (bonus, canvas
+        states)), else the cache is rolled back. Returns (kept tokens, carried or None)."""
         block_size = draft.shape[1]
-        hidden_states = self.decode_step(draft, state=state, causal_tokens=block_size)
+        if fold:
+            snapshot = state.cache.snapshot()
+            canvas = torch.full_like(draft, decoding.config.mask_token_id)
+            # Read: every draft position (its causal next token), the canvas but its first column (the bonus).
+            columns = torch.arange(2 * block_size, device=draft.device)
+            hidden_states = self.decode_step(
+                torch.cat([draft, canvas], dim=1), state=state, commit_length=block_size, causal_tokens=block_size,
+                positions_to_keep=columns[columns != block_size],
+            )  # fmt: skip
+            canvas_states = F.pad(hidden_states[:, block_size:], (0, 0, 1, 0))  # the bonus column: never read
+            hidden_states = hidden_states[:, :block_size]
+        else:
+            hidden_states = self.decode_step(draft, state=state, causal_tokens=block_size)
         causal_next = self.lm_head(hidden_states[0]).argmax(dim=-1)  # (block,): the causal token after draft[i]
         expected = torch.cat([next_token, causal_next[:-1]])  # causal greedy at each draft position
         mismatch = (draft[0] != expected).nonzero()
         accepted = int(mismatch[0]) if len(mismatch) else block_size  # >= 1: the draft starts with next_token
-        return torch.cat([draft[0, :accepted], torch.cat([expected, causal_next[-1:]])[accepted : accepted + 1]])
+        kept = torch.cat([draft[0, :accepted], torch.cat([expected, causal_next[-1:]])[accepted : accepted + 1]])
+        if not fold:
+            return kept, None
+        if accepted == block_size:  # the bonus is the next draft's first token, emitted with that draft
+            return kept[:-1], (kept[-1:], canvas_states)
+        state.cache.restore(snapshot)
+        return kept, None
 
     def _draft(self, state, pending, decoding: _Decoding):
         """A LowConfidence draft of the next block; its first forward commits `pending` causally and gives the
         causal next token, which the draft starts with. Returns (draft (1, block), next token (1,), steps)."""
-        config = decoding.config
-        block_size = config.block_size
-        canvas = torch.full((1, block_size), config.mask_token_id, dtype=torch.long, device=pending.device)
+        block_size = decoding.config.block_size
+        canvas = torch.full((1, block_size), decoding.config.mask_token_id, dtype=torch.long, device=pending.device)
         inputs, committed = torch.cat([pending, canvas], dim=1), pending.shape[1]
         # Read: the last pending token's state (the causal next token) and the canvas's.
         keep = torch.arange(committed - 1, inputs.shape[1], device=inputs.device)
         hidden_states = self.decode_step(inputs, state=state, commit_length=committed, causal_tokens=committed, positions_to_keep=keep)  # fmt: skip
         next_token = self.lm_head(hidden_states[:, 0]).argmax(dim=-1)  # what causal greedy emits
+        draft, steps = self._denoise_draft(state, next_token, hidden_states[:, 1:], decoding)
+        return draft, next_token, steps
+
+    def _denoise_draft(self, state, next_token, hidden_states, decoding: _Decoding):
+        """The rest of a draft: a canvas starting with `next_token`, its masks denoised from `hidden_states`, the
+        canvas states of its first forward (already run), until none is left. Returns (draft, steps)."""
+        config = decoding.config
+        canvas = torch.full((1, config.block_size), config.mask_token_id, dtype=torch.long, device=next_token.device)
         canvas[:, 0] = next_token
-        to_decode = canvas == config.mask_token_id
-        hidden_states, steps = hidden_states[:, 1:], 1
+        to_decode, steps = canvas == config.mask_token_id, 1
         while True:
             # max_steps_per_block caps a draft's steps: a cheaper, rougher draft; the verify keeps the output exact.
             steps_left = None if config.max_steps_per_block is None else max(config.max_steps_per_block - steps + 1, 1)
@@ -476,7 +518,7 @@ class CloverGenerationMixin(GenerationMixin):
             if decoding.streamer is not None and hasattr(decoding.streamer, "put_draft"):
                 decoding.streamer.put_draft(canvas.cpu())
             if not bool(to_decode.any()):
-                return canvas, next_token, steps
+                return canvas, steps
             hidden_states = self._canvas_states(canvas, state, _columns_to_keep(to_decode, config))
             steps += 1
 
