@@ -71,8 +71,9 @@ class CloverGenerationConfig(GenerationConfig):
         strategy (`str`, defaults to `"low_confidence"`):
             `"low_confidence"`: block diffusion, block by block. `"self_speculative"`: drafts made by block diffusion
             and verified by the causal forward, exactly the model's causal greedy decoding (greedy only, eager only;
-            each row decoded on its own). `max_steps_per_block` then caps the steps of a draft: fewer forwards per
-            draft, fewer of its tokens accepted, the same output.
+            each row decoded on its own). The verify forward also runs the first denoising step of the next draft,
+            kept when the whole draft is accepted. `max_steps_per_block` then caps the steps of a draft: fewer
+            forwards per draft, fewer of its tokens accepted, the same output.
         compile (`bool`, defaults to False):
             Decode on a static cache (allocated once for the whole generation, its length rounded up to a multiple
             of 256) through a `torch.compile`d step that is traced once per input length and replayed for every
