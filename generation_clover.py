@@ -418,9 +418,10 @@ class CloverGenerationMixin(GenerationMixin):
         forwards, draft steps per block.
 
         A verify that has room for another draft after it also runs that draft's first denoising step (a block of
-        masks right after the draft) and commits the draft: when the whole draft is accepted, which is the common
-        case, the next draft starts from that step and no forward of its own commits the kept tokens. Otherwise the
-        cache is rolled back and the next draft's first forward commits the kept tokens (causally) as usual."""
+        masks right after the draft) and commits the draft: when the whole draft is accepted, the next draft starts
+        from that step and no forward of its own commits the kept tokens. Otherwise the cache is rolled back and the
+        next draft's first forward commits the kept tokens (causally) as usual. A draft that ends in EOS, or the last
+        one the budget allows, is verified alone."""
         config, eos_ids, max_new_tokens = decoding.config, decoding.eos_ids, decoding.max_new_tokens
         block_size = config.block_size
         # The last prompt token is committed by the first draft's forward, which also gives the next causal token.

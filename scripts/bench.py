@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--draft-steps",
         type=int,
         nargs="*",
-        default=[1, 4],
+        default=[1, 2, 3, 4],
         help="self-speculative runs with drafts capped at N steps",
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -254,11 +254,17 @@ def plot(report: dict, path: Path) -> None:
     for name, run in runs.items():
         marker, color = ("s", "black") if name == "AR base" else ("*", "tab:red") if name in speculative else ("o", "tab:green")  # fmt: skip
         ax.scatter(run["tok_per_s"], 100 * run["exact_match"], marker=marker, color=color, s=60, zorder=3)
-        label = name.removeprefix("Clover ").replace("self-speculative", "self-spec").replace(",", "").removesuffix(" draft steps")  # fmt: skip
-        offset = ((-20, 8), (-20, -14))[speculative.index(name) % 2] if name in speculative else (5, -10)
-        ax.annotate(label, (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8, textcoords="offset points",
-                    xytext=offset)  # fmt: skip
-    ax.margins(y=0.12)
+        if name not in speculative:  # the self-speculative points sit close together: listed in a box instead
+            ax.annotate(name.removeprefix("Clover "), (run["tok_per_s"], 100 * run["exact_match"]), fontsize=8,
+                        textcoords="offset points", xytext=(5, -10))  # fmt: skip
+    if speculative:
+        lines = ["self-speculative (stars), tok/s:"]
+        for name in speculative:
+            cap = name.rpartition(", ")[2].removesuffix(" draft steps") + " steps" if "<=" in name else "uncapped"
+            lines.append(f"{cap}: {runs[name]['tok_per_s']:.0f} ({100 * runs[name]['exact_match']:.1f}%)")
+        ax.text(0.55, 0.04, "\n".join(lines), transform=ax.transAxes, fontsize=7, ha="center", va="bottom",
+                bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9})  # fmt: skip
+    ax.margins(y=0.15)
     low_confidence = [r for n, r in runs.items() if n.startswith("Clover") and "speculative" not in n]
     ax.plot(
         [r["tok_per_s"] for r in low_confidence],
