@@ -117,6 +117,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="share of blocks masked as a suffix (a clean prefix, its last tokens masked) instead of uniformly",
     )
     parser.add_argument(
+        "--decoding-state-noise",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="share of blocks trained in a state LowConfidence decoding meets (1-4 teacher-forced forwards of the "
+        "model unmask what it would commit) instead of the collator's noise",
+    )
+    parser.add_argument(
         "--causal-loss-weight", type=float, default=None, help="add a next-token loss on the clean sequence"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -337,6 +345,7 @@ def _train_and_save(
         data_collator=collator,
         processing_class=tokenizer,  # saved into every checkpoint, so a checkpoint is a --model of its own
         callbacks=[ExampleNoiseEpoch(collator)],
+        decoding_state_share=args.decoding_state_noise,
     )
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate enables FSDP only on accelerators; on CPU it trains plain data parallel instead.

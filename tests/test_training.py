@@ -21,7 +21,7 @@ from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from clover.modeling_clover import CloverForBlockDiffusion
-from clover.training_clover import CloverDataCollator, encode_chat_example
+from clover.training_clover import CloverDataCollator, CloverTrainer, decoding_state_noise, encode_chat_example
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -186,6 +186,85 @@ def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
             total = total + (token_loss * weight[cols][masked[cols]] / level[cols][masked[cols]]).sum()
     expected = total / batch["label_weights"].sum()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sure", [False, True])
+def test_decoding_state_noise_unmasks_what_one_lowconfidence_forward_commits(tiny_model, sure):
+    # Reference: one plain block-causal forward per (row, block) on [prompt, clean blocks < k, all-masked block k];
+    # the rule commits every masked position at probability >= 0.95 and at least the most confident one.
+    if sure:  # a sharper head, so that the threshold, not just the most confident position, decides
+        tiny_model.lm_head.weight.data *= 60
+    features = _features([(3, 19), (5, 7)])
+    batch = CloverDataCollator(PAD, 8, seed=1)(features)
+    state = decoding_state_noise(
+        tiny_model, batch, share=1.0, generator=torch.Generator().manual_seed(0), max_forwards=1
+    )
+    start = int((batch["block_ids"][0] >= 0).nonzero()[0])
+    supervised = (batch["labels"] != -100)[:, start:]
+    above_threshold = 0
+    for row, feature in enumerate(features):
+        prompt = torch.tensor(feature["prompt_ids"])
+        answer = batch["input_ids"][row, start:]
+        for block in range(answer.shape[0] // 8):
+            cols = slice(8 * block, 8 * block + 8)
+            masked = state["noise_mask"][row, start:][cols]
+            if not supervised[row, cols].any():
+                assert not masked.any()
+                continue
+            input_ids = torch.cat([prompt, answer[: 8 * block], torch.full((8,), MASK)])[None]
+            block_ids = torch.cat([torch.full((len(prompt),), -1), torch.arange(8 * (block + 1)) // 8])[None]
+            logits = tiny_model(input_ids=input_ids, block_ids=block_ids, use_cache=False).logits[0, -8:]
+            logits[:, MASK] = -math.inf
+            confidence = logits.softmax(-1).amax(-1).masked_fill(~supervised[row, cols], -1.0)
+            commit = (confidence >= 0.95) | (torch.arange(8) == confidence.argmax())
+            above_threshold += int((confidence >= 0.95).sum())
+            assert torch.equal(masked, supervised[row, cols] & ~commit), (row, block)
+            level = state["noise_level"][row, start:][cols]
+            share = max(masked.sum() / supervised[row, cols].sum(), 0.1)
+            torch.testing.assert_close(level, torch.full((8,), float(share)))
+    assert (above_threshold > 1) == sure
+    assert torch.equal(state["input_ids"], batch["input_ids"]) and state["noise_mask"] is not batch["noise_mask"]
+
+
+def test_decoding_state_noise_unmasks_one_position_per_forward_when_nothing_is_sure(tiny_model):
+    # A random tiny model is never sure (p < 0.95 everywhere): each forward commits exactly one position, so a
+    # block drawn to run f forwards ends with min(f, its supervised tokens) of them unmasked.
+    features = _features([(4, 30), (6, 12)])
+    batch = CloverDataCollator(PAD, 8, seed=2)(features)
+    state = decoding_state_noise(tiny_model, batch, share=1.0, generator=torch.Generator().manual_seed(5))
+    forwards = torch.randint(1, 5, (2, batch["input_ids"].shape[1] // 8), generator=torch.Generator().manual_seed(5))
+    start = int((batch["block_ids"][0] >= 0).nonzero()[0])
+    supervised = (batch["labels"] != -100)[:, start:].reshape(2, -1, 8)
+    masked = state["noise_mask"][:, start:].reshape(2, -1, 8)
+    assert not (masked & ~supervised).any()
+    unmasked = (supervised & ~masked).sum(-1)
+    assert torch.equal(unmasked, torch.minimum(forwards[:, : unmasked.shape[1]], supervised.sum(-1)))
+
+
+def test_decoding_state_noise_share_zero_is_the_batch_and_a_bad_share_is_named(tiny_model):
+    batch = CloverDataCollator(PAD, 8, seed=1)(_features([(3, 9)]))
+    assert decoding_state_noise(tiny_model, batch, share=0.0) is batch
+    with pytest.raises(ValueError, match=r"share \(1.5\).*\[0, 1\]"):
+        decoding_state_noise(tiny_model, batch, share=1.5)
+
+
+def test_clover_trainer_trains_with_decoding_states(tiny_model, tmp_path, monkeypatch):
+    import clover.training_clover as training
+
+    calls = []
+    real = training.decoding_state_noise
+    monkeypatch.setattr(training, "decoding_state_noise", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    collator = CloverDataCollator(PAD, tiny_model.config.block_size, seed=0)
+    args = _training_args(tmp_path, max_steps=3)
+    trainer = CloverTrainer(
+        model=tiny_model, args=args, train_dataset=_copy_task(24), data_collator=collator, decoding_state_share=0.5
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    assert calls == [0.5, 0.5, 0.5]
+    with pytest.raises(ValueError, match=r"decoding_state_share \(2.0\)"):
+        CloverTrainer(model=tiny_model, args=args, data_collator=collator, decoding_state_share=2.0)
 
 
 def test_collator_weights_the_tail_after_eos_as_one_token():
