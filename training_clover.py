@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .generation_clover import select_positions_to_commit
 from .modeling_clover import draw_block_noise
 
 
@@ -265,9 +266,10 @@ def decoding_state_noise(
             logits[:, config.mask_token_id] = float("-inf")
             confidence = torch.full(masked.shape, -1.0, device=device)
             confidence[running] = logits.softmax(dim=-1).amax(dim=-1)
-            per_block = confidence.view(rows, num_blocks, block_size)
-            most = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, per_block.argmax(-1, keepdim=True), True)
-            masked &= ~(((per_block >= threshold) | most).view_as(masked) & running)
+            commit = select_positions_to_commit(
+                confidence.view(-1, block_size), running.reshape(-1, block_size), threshold
+            )
+            masked &= ~commit.view_as(masked)
     finally:
         clover.train(was_training)
     in_chosen = chosen.repeat_interleave(block_size, dim=1)
