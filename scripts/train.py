@@ -125,6 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "model unmask what it would commit) instead of the collator's noise",
     )
     parser.add_argument(
+        "--keep-wrong-masked",
+        action="store_true",
+        help="in those decoding states, a position the rule would commit with a wrong token stays masked (and "
+        "scored) instead of being revealed",
+    )
+    parser.add_argument(
         "--causal-loss-weight", type=float, default=None, help="add a next-token loss on the clean sequence"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -148,6 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--gradient-accumulation-steps ({args.gradient_accumulation_steps}) must be 1 or more.")
     if args.resume_from_checkpoint == "last" and not args.checkpoint_dir:
         parser.error("--resume-from-checkpoint without a path resumes from --checkpoint-dir: pass that too.")
+    if args.keep_wrong_masked and not args.decoding_state_noise:
+        raise ValueError(
+            "--keep-wrong-masked changes the decoding states of --decoding-state-noise P: pass P > 0 too."
+        )
     return args
 
 
@@ -346,6 +356,7 @@ def _train_and_save(
         processing_class=tokenizer,  # saved into every checkpoint, so a checkpoint is a --model of its own
         callbacks=[ExampleNoiseEpoch(collator)],
         decoding_state_share=args.decoding_state_noise,
+        decoding_state_keep_wrong=args.keep_wrong_masked,
     )
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate enables FSDP only on accelerators; on CPU it trains plain data parallel instead.

@@ -30,6 +30,10 @@ CASES = {
         lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out")],
         r"No checkpoint at no-such-checkpoint \(no config.json there\): pass --model DIR",
     ),
+    "train.py: keep-wrong without decoding states": (
+        lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out"), "--keep-wrong-masked"],
+        r"--keep-wrong-masked changes the decoding states of --decoding-state-noise P: pass P > 0 too",
+    ),
     "train_demo.py": (lambda tmp: ["--layers", "lxf", "--work", str(tmp / "work")], r"--layers \('lxf'\) must be"),
     "train_demo.py: existing output": (
         lambda tmp: [*demo_dirs(tmp), "--output", str(trained_model(tmp)), "--stages", "data"],

@@ -226,6 +226,34 @@ def test_decoding_state_noise_unmasks_what_one_lowconfidence_forward_commits(tin
     assert torch.equal(state["input_ids"], batch["input_ids"]) and state["noise_mask"] is not batch["noise_mask"]
 
 
+def test_decoding_state_noise_keeps_what_the_rule_would_commit_wrongly_masked(tiny_model):
+    # One block of 8 answer tokens, all masked: the rule commits several positions (a sharpened head); the answer is
+    # rewritten so that the model's candidate is right at half of them. With keep_wrong_masked only those are
+    # revealed; the ones the rule would commit with a wrong token stay masked, for the loss to score.
+    tiny_model.lm_head.weight.data *= 60
+    features = _features([(3, 8)])
+    prompt = torch.tensor(features[0]["prompt_ids"])
+    input_ids = torch.cat([prompt, torch.full((8,), MASK)])[None]
+    block_ids = torch.cat([torch.full((3,), -1), torch.zeros(8, dtype=torch.long)])[None]
+    logits = tiny_model(input_ids=input_ids, block_ids=block_ids, use_cache=False).logits[0, -8:]
+    logits[:, MASK] = -math.inf
+    confidence, candidate = logits.softmax(-1).max(-1)
+    commit = (confidence >= 0.95) | (torch.arange(8) == confidence.argmax())
+    committed = commit.nonzero().flatten().tolist()
+    assert len(committed) >= 2
+    right = torch.zeros(8, dtype=torch.bool)
+    right[committed[::2]] = True
+    answer = torch.tensor(features[0]["answer_ids"])
+    answer = torch.where(right, candidate, torch.where(candidate == answer, (answer + 1) % MASK, answer))
+    features[0]["answer_ids"] = answer.tolist()
+    batch = CloverDataCollator(PAD, 8, seed=1)(features)
+    generator = torch.Generator().manual_seed(0)
+    state = decoding_state_noise(tiny_model, batch, 1.0, generator, max_forwards=1, keep_wrong_masked=True)
+    assert torch.equal(state["noise_mask"][0, 3:11], ~right)
+    plain = decoding_state_noise(tiny_model, batch, 1.0, torch.Generator().manual_seed(0), max_forwards=1)
+    assert torch.equal(plain["noise_mask"][0, 3:11], ~commit)
+
+
 def test_decoding_state_noise_unmasks_one_position_per_forward_when_nothing_is_sure(tiny_model):
     # A random tiny model is never sure (p < 0.95 everywhere): each forward commits exactly one position, so a
     # block drawn to run f forwards ends with min(f, its supervised tokens) of them unmasked.
@@ -253,16 +281,23 @@ def test_clover_trainer_trains_with_decoding_states(tiny_model, tmp_path, monkey
 
     calls = []
     real = training.decoding_state_noise
-    monkeypatch.setattr(training, "decoding_state_noise", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(
+        training, "decoding_state_noise", lambda *a, **k: calls.append((a[2], k["keep_wrong_masked"])) or real(*a, **k)
+    )
     collator = CloverDataCollator(PAD, tiny_model.config.block_size, seed=0)
     args = _training_args(tmp_path, max_steps=3)
     trainer = CloverTrainer(
-        model=tiny_model, args=args, train_dataset=_copy_task(24), data_collator=collator, decoding_state_share=0.5
+        model=tiny_model,
+        args=args,
+        train_dataset=_copy_task(24),
+        data_collator=collator,
+        decoding_state_share=0.5,
+        decoding_state_keep_wrong=True,
     )
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
-    assert calls == [0.5, 0.5, 0.5]
+    assert calls == [(0.5, True)] * 3
     with pytest.raises(ValueError, match=r"decoding_state_share \(2.0\)"):
         CloverTrainer(model=tiny_model, args=args, data_collator=collator, decoding_state_share=2.0)
 
