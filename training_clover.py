@@ -227,10 +227,10 @@ def decoding_state_noise(
     >= `threshold`, and at least the most confident one), writing the true token, as if decoding had been right so
     far. The loss then scores what is still masked, with the masked share of the block's supervised tokens (at
     least `min_level`) as its t. Uniform noise masks at random; these states keep masked what the model is least
-    sure of, as decoding does. With `keep_wrong_masked`, a position the rule would commit with a wrong token stays
-    masked (decoding would have committed the error): revealing it would hide the very mistakes that cost exact
-    match at threshold < 1 from the loss, which then scores them in the state that made them. Measured on the demo model (README, the shipped tiny model): half the blocks so gave
-    18 more points of addition at 0.95 than uniform noise over the same 250 steps. (CloverTrainer draws the blocks
+    sure of, as decoding does. Measured on the demo model (README, the shipped tiny model): half the blocks so gave
+    18 more points of addition at 0.95 than uniform noise over the same 250 steps. With `keep_wrong_masked`, a
+    position the rule would commit with a wrong token stays masked (decoding would have committed the error), so
+    the loss scores the confident mistakes that cost exact match below threshold 1, in the state that made them. (CloverTrainer draws the blocks
     from a generator seeded by the run's seed; a resumed run draws others.)
 
     Returns a new batch (the input is not changed); positions masked whatever the noise (the tail of
@@ -273,10 +273,8 @@ def decoding_state_noise(
             commit = select_positions_to_commit(
                 confidence.view(-1, block_size), running.reshape(-1, block_size), threshold
             ).view_as(masked)
-            if keep_wrong_masked:
-                right = torch.zeros_like(masked)
-                right[running] = candidate == input_ids[:, start:][running]
-                commit &= right
+            if keep_wrong_masked:  # commit only where the candidate is the true token
+                commit[running] &= candidate == input_ids[:, start:][running]
             masked &= ~commit
     finally:
         clover.train(was_training)
