@@ -49,6 +49,14 @@ CASES = {
         r"--self-speculative needs a Clover checkpoint; .*qwen3_5_moe-tiny-demo is a qwen3_5_moe_text",
     ),
     "bench.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
+    "average_weights.py": (
+        lambda tmp: [str(SHIPPED), "--output", str(tmp / "soup")],
+        r"Got 1 checkpoint; pass two or more checkpoint directories",
+    ),
+    "average_weights.py: another model": (
+        lambda tmp: [str(SHIPPED), str(REPO / "models" / "qwen3_5_moe-tiny-demo"), "--output", str(tmp / "soup")],
+        r"qwen3_5_moe-tiny-demo has another configuration than .*clover-tiny-demo \(differs in .*model_type",
+    ),
     "build_tokenizer.py": (lambda tmp: ["--output", str(a_file(tmp))], r"a-file is a file: pass a directory"),
     "convert_qwen3_5_moe.py": (lambda tmp: ["--input", MISSING, "--output", str(tmp / "c")], r"has no config.json"),
     "memory.py": (lambda tmp: ["--config", "nope.json"], r"--config 'nope.json' is neither '35B' nor a config.json"),
@@ -97,6 +105,29 @@ def test_script_reports_a_bad_input_in_one_line_with_status_2(case, tmp_path):
 def test_every_script_has_a_case():
     scripts = {path.name for path in (REPO / "scripts").glob("*.py")}
     assert scripts == {case.split(":")[0] for case in CASES}
+
+
+def test_average_weights_writes_the_mean_and_it_loads(tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    shifted = tmp_path / "shifted"
+    shutil.copytree(SHIPPED, shifted)
+    original = load_file(SHIPPED / "model.safetensors")
+    save_file({name: tensor + 1.0 for name, tensor in original.items()}, shifted / "model.safetensors")
+    result = run_script("average_weights.py", str(SHIPPED), str(shifted), "--output", "soup", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    averaged = load_file(tmp_path / "soup" / "model.safetensors")
+    assert averaged.keys() == original.keys()
+    for name, tensor in original.items():
+        torch.testing.assert_close(averaged[name], tensor + 0.5, rtol=0, atol=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "soup", trust_remote_code=True)
+    torch.testing.assert_close(model.lm_head.weight, original["lm_head.weight"] + 0.5, rtol=0, atol=1e-6)
+    again = run_script("average_weights.py", str(SHIPPED), str(shifted), "--output", "soup", cwd=tmp_path)
+    assert again.returncode == 2 and "pass --force" in again.stderr  # an existing output is kept
 
 
 def test_eval_demo_decodes_self_speculatively_too(tmp_path):
