@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
 # Held out: the training corpora use seeds below 40 (train_demo.py --seed up to 30, plus 0 to 7), eval_demo.py 12345.
 BENCH_SEED = 4242
-AR_ONE_THREAD = "AR base, 1 thread"
+AR_BASE = "AR base"
+AR_ONE_THREAD = f"{AR_BASE}, 1 thread"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +97,7 @@ def decode_runs(clover, base, tokenizer, examples, args) -> dict:
     alike and the speed ratios between them hold (run one decoder after another and the ratio moves with the
     machine)."""
     threads = torch.get_num_threads()
-    decoders = {"AR base": None}
+    decoders = {AR_BASE: None}
     if threads > 1:  # a one-token forward is small: a second thread may cost more than it gains
         decoders[AR_ONE_THREAD] = None
     decoders |= {f"Clover {t}": {"threshold": t} for t in args.thresholds}
@@ -158,7 +159,7 @@ def thread_count(threads: int):
 
 def fastest_ar(decoding: dict) -> str:
     """The AR base run the speed ratios are taken against: the faster of its thread counts."""
-    return max((name for name in decoding if name.startswith("AR base")), key=lambda n: decoding[n]["tok_per_s"])
+    return max((name for name in decoding if name.startswith(AR_BASE)), key=lambda n: decoding[n]["tok_per_s"])
 
 
 def summarise(run: dict) -> dict:
@@ -317,7 +318,7 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     speculative = [name for name in runs if "speculative" in name]  # often at one accuracy: labels above, below
     for name, run in runs.items():
-        marker, color = ("s", "black") if name.startswith("AR base") else ("*", "tab:red") if name in speculative else ("o", "tab:green")  # fmt: skip
+        marker, color = ("s", "black") if name.startswith(AR_BASE) else ("*", "tab:red") if name in speculative else ("o", "tab:green")  # fmt: skip
         ax.scatter(run["tok_per_s"], 100 * run["exact_match"], marker=marker, color=color, s=60, zorder=3)
         if name not in speculative:  # the self-speculative points sit close together: listed in a box instead
             offset = (5, 6) if name == AR_ONE_THREAD else (5, -10)  # the two AR runs sit on one another
