@@ -181,6 +181,36 @@ def block_causal_mask(
     return allowed[:, None]
 
 
+@dataclass(frozen=True)
+class WholeBlocks:
+    """The mask of an unpadded forward on a dynamic cache whose tokens are whole consecutive blocks (in decoding: a
+    finished block and the next block's canvas), kept implicit. The queries of the j-th block see the cache and
+    every token up to the end of that block, so attention runs block by block over a prefix of the keys with no
+    mask: no `(queries, keys)` tensor is built, and SDPA keeps its mask-free kernels."""
+
+    block_size: int
+    forward_length: int  # this forward's tokens
+    past_length: int  # committed keys in front
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(first query, end query, keys seen) for each block of the forward."""
+        spans = []
+        for start in range(0, self.forward_length, self.block_size):
+            end = min(start + self.block_size, self.forward_length)
+            spans.append((start, end, self.past_length + end))
+        return spans
+
+    def for_queries(self, query_positions: torch.Tensor) -> torch.Tensor | None:
+        """The mask of the forward's `query_positions` alone: none when they all lie in the last block (which sees
+        every key, as in a decoding step's last layer), else the materialized bool mask's rows."""
+        last_start = (self.forward_length - 1) // self.block_size * self.block_size
+        if int(query_positions.min()) >= last_start:
+            return None
+        columns = torch.arange(self.forward_length, device=query_positions.device)
+        mask = block_causal_mask((columns // self.block_size)[None], past_length=self.past_length)
+        return mask[:, :, query_positions]
+
+
 def training_mask(
     block_ids: torch.Tensor, key_padding_mask: torch.Tensor | None, answer_start: int, block_size: int
 ) -> torch.Tensor:
@@ -561,7 +591,9 @@ class CloverAttention(nn.Module):
                 return hidden_states[:, :0]
             cos, sin = cos[:, query_positions], sin[:, query_positions]
             hidden_states = hidden_states[:, query_positions]
-            if attention_mask is not None:
+            if isinstance(attention_mask, WholeBlocks):
+                attention_mask = attention_mask.for_queries(query_positions)
+            elif attention_mask is not None:
                 attention_mask = attention_mask[:, :, query_positions]
             seq_len = hidden_states.shape[1]
         query = self.q_proj(hidden_states).view(batch_size, seq_len, self.num_heads, 2 * self.head_dim)
@@ -570,7 +602,17 @@ class CloverAttention(nn.Module):
         query = apply_partial_rotary(self.q_norm(query).transpose(1, 2), cos, sin)  # (batch, heads, seq, head_dim)
 
         attention = ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        output = attention(query, key, value, attention_mask, self.scaling)  # (batch, heads, seq, head_dim)
+        if isinstance(attention_mask, WholeBlocks):  # block by block, each over the keys it sees, no mask
+            spans = attention_mask.spans()
+            output = torch.cat(
+                [
+                    attention(query[:, :, a:b], key[:, :, :seen], value[:, :, :seen], None, self.scaling)
+                    for a, b, seen in spans
+                ],
+                dim=2,
+            )
+        else:
+            output = attention(query, key, value, attention_mask, self.scaling)  # (batch, heads, seq, head_dim)
         output = output.transpose(1, 2).reshape(gate.shape) * torch.sigmoid(gate)
         return self.o_proj(output)
 
@@ -824,8 +866,10 @@ class CloverModel(CloverPreTrainedModel):
         r"""
         block_ids (`torch.LongTensor` of shape `(batch, seq_len)` or `int`, *optional*):
             -1 for causal context, k >= 0 for the tokens of block k (contiguous). Without it the forward is causal.
-            An int k >= 0 puts the whole forward in block k; without `attention_mask` (no padding) every query then
-            sees every key, and attention runs without a mask (the fast path of a denoising step).
+            An int k >= 0 makes the forward's tokens blocks k, k + 1, ... of `block_size` each (a forward no longer
+            than a block is all block k). Without `attention_mask` (no padding) and with no static cache, attention
+            then runs without a mask: a one-block forward (a denoising step) sees every key; a longer one (a
+            finished block and the next block's canvas) attends block by block over the keys each block sees.
         commit_length (`int`, *optional*):
             With a cache: how many leading tokens of this forward enter the cache. Defaults to all of them when
             `use_cache`, else none (a read-only denoising forward).
@@ -908,18 +952,21 @@ class CloverModel(CloverPreTrainedModel):
             )
 
     def _block_mask(self, block_ids, attention_mask, cache, batch_size, seq_len, device) -> torch.Tensor | None:
-        """The block-causal mask of this forward, or None when every query sees every key (an int `block_ids`, no
-        padding, no unwritten static-cache keys), so attention runs without a mask."""
+        """The block-causal mask of this forward. With an int `block_ids`, no padding and a dynamic cache it stays
+        implicit: None when the forward is one block (every query sees every key), else `WholeBlocks`; either way
+        attention runs without a mask."""
         static = cache is not None and cache.static
+        past_length = cache.length if cache is not None else 0
         if isinstance(block_ids, int):
             if block_ids < 0:
-                raise ValueError(f"An int block_ids names the block of the whole forward: got {block_ids}, use >= 0.")
+                raise ValueError(f"An int block_ids names the forward's first block: got {block_ids}, use >= 0.")
+            block_size = self.config.block_size
             if attention_mask is None and not static:
-                return None
-            block_ids = torch.full((batch_size, seq_len), block_ids, dtype=torch.long, device=device)
+                return None if seq_len <= block_size else WholeBlocks(block_size, seq_len, past_length)
+            columns = torch.arange(seq_len, device=device)
+            block_ids = (block_ids + columns // block_size).expand(batch_size, -1)
         elif block_ids is None:
             block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
-        past_length = cache.length if cache is not None else 0
         return block_causal_mask(block_ids, attention_mask, past_length, cache.max_length if static else None)
 
     def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout, keep):
@@ -1106,19 +1153,19 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         n`, to commit), or a finished block followed by the next block's canvas, the first `commit_length` tokens
         entering the cache in the same forward. The first `causal_tokens` tokens are causal context (the causal
         forward of self-speculative decoding), the rest form blocks of `block_size`. This is where a decoding
-        forward's mask is decided: a forward that is one block of an unpadded batch sees the cache and itself, so
-        it attends with no mask at all. Returns the final hidden states (batch, n, hidden), for `lm_head` to project
-        where a token is still to be decided; the cache advances by `commit_length`. With `positions_to_keep` (1-D,
-        columns of `input_ids`) only those columns' states: the last layer runs only there.
+        forward's mask is decided: in an unpadded batch a forward of whole blocks attends with no mask at all (a
+        block sees the cache and itself; a finished block followed by a canvas runs as two unmasked attentions).
+        Returns the final hidden states (batch, n, hidden), for `lm_head` to project where a token is still to be
+        decided; the cache advances by `commit_length`. With `positions_to_keep` (1-D, columns of `input_ids`) only
+        those columns' states: the last layer runs only there.
         """
         cache, block_size = state.cache, self.config.block_size
         num_tokens = input_ids.shape[1]
         columns = torch.arange(num_tokens, device=input_ids.device)
         offset = cache.length - state.prompt_length  # generated tokens already committed (a 0-d tensor when static)
         position_ids = state.next_position + offset + columns
-        one_block = causal_tokens == 0 and commit_length in (0, num_tokens)
-        if one_block and not cache.static and not state.padded:
-            attention_mask, block_ids = None, 0
+        if causal_tokens == 0 and not cache.static and not state.padded:
+            attention_mask, block_ids = None, 0  # whole blocks, no padding: attention needs no mask
         else:
             attention_mask = (
                 state.attention_mask if cache.static else state.attention_mask[:, : cache.length + num_tokens]

@@ -88,6 +88,27 @@ def test_generate_equals_the_naive_no_cache_decoder(model, threshold):
         assert max(out.steps_per_block) > 1  # and some step committed only one: the threshold is really in play
 
 
+def test_unpadded_decoding_attends_without_a_mask_after_the_prefill(model, monkeypatch):
+    """Every decoding forward of an unpadded batch (denoising steps and the fused commit-and-denoise forwards) runs
+    attention with no mask: no (queries, keys) tensor per step (the tokens themselves are the naive decoder's,
+    tested above)."""
+    from clover import modeling_clover
+
+    calls = []
+    attention = modeling_clover.ATTENTION_FUNCTIONS[model.config._attn_implementation]
+
+    def spy(query, key, value, mask, scaling):
+        calls.append((query.shape[-2], key.shape[-2], mask is None))
+        return attention(query, key, value, mask, scaling)
+
+    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, model.config._attn_implementation, spy)
+    out = generate(model, random_ids(1, 6, seed=1), threshold=0.3)
+    decoding = [call for call in calls if call[1] > 6]  # the prefill's keys are the 6 prompt tokens
+    assert len(decoding) == int(out.num_forward_passes)  # the tiny model's one attention layer: one call a forward
+    assert any(keys > 6 + BLOCK for _, keys, _ in decoding)  # the fused forwards ran (a block was committed)
+    assert all(unmasked for _, _, unmasked in decoding)
+
+
 def test_generate_equals_the_naive_decoder_when_eos_occurs(model):
     prompt = random_ids(1, 6, seed=1)
     without_eos = generate(model, prompt, threshold=0.3).sequences[0, 6:]

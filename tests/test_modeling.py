@@ -243,6 +243,56 @@ def test_fused_commit_and_denoise_equals_commit_then_denoise(tiny_model, padded_
         torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("keep", [None, [BLOCK + 1, 2 * BLOCK - 1], [2, BLOCK + 1]])
+def test_a_finished_block_and_a_canvas_without_padding_attend_without_a_mask(
+    tiny_model, attn_implementation, keep, monkeypatch
+):
+    """The fused commit-and-denoise forward of an unpadded batch: an int block_ids makes it blocks 0 and 1, which
+    attend block by block with no mask (the last layer too when it keeps only canvas columns) and give the logits,
+    states and cache of the masked forward."""
+    from clover import modeling_clover
+
+    tiny_model.config._attn_implementation = attn_implementation
+    input_ids = random_ids(2, 10 + BLOCK, seed=5)
+    attention_mask = torch.ones(2, 10 + 2 * BLOCK, dtype=torch.long)
+    cache, _ = _prefill(tiny_model, input_ids, attention_mask, 10)
+    masked_cache = cache.copy()
+    both = torch.cat([input_ids[:, 10:], torch.full((2, BLOCK), MASK_ID)], dim=1)
+    both[:, BLOCK + 2] = 17
+    keep = None if keep is None else torch.tensor(keep)
+    block_ids = torch.tensor([0] * BLOCK + [1] * BLOCK).expand(2, -1)
+    with torch.no_grad():
+        masked = tiny_model.model(
+            both, attention_mask=attention_mask, past_key_values=masked_cache, block_ids=block_ids,
+            commit_length=BLOCK, positions_to_keep=keep,
+        ).last_hidden_state  # fmt: skip
+
+    masks_seen = []
+    attention = modeling_clover.ATTENTION_FUNCTIONS[attn_implementation]
+
+    def spy(query, key, value, mask, scaling):
+        masks_seen.append(mask)
+        return attention(query, key, value, mask, scaling)
+
+    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, attn_implementation, spy)
+    with torch.no_grad():
+        unmasked = tiny_model.model(
+            both, past_key_values=cache, block_ids=0, commit_length=BLOCK, positions_to_keep=keep
+        ).last_hidden_state
+    torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+    # The tiny model's one attention layer is its last: one unmasked call per block, one over the kept canvas
+    # columns, and the materialized mask's rows when a kept column lies in the finished block.
+    if keep is None:
+        assert masks_seen == [None, None]
+    elif int(keep.min()) >= BLOCK:
+        assert masks_seen == [None]
+    else:
+        assert len(masks_seen) == 1 and masks_seen[0].shape[-2:] == (len(keep), 10 + 2 * BLOCK)
+    for a, b in zip(cache.tensors(), masked_cache.tensors(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("last_layer", ["full_attention", "linear_attention"])
 @pytest.mark.parametrize("keep", [[BLOCK + 1, BLOCK + 3, 2 * BLOCK - 1], []])
 def test_positions_to_keep_gives_those_columns_and_fills_the_cache_alike(tiny_config, padded_batch, last_layer, keep):
