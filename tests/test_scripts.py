@@ -57,6 +57,10 @@ CASES = {
         lambda tmp: [str(SHIPPED), str(REPO / "models" / "qwen3_5_moe-tiny-demo"), "--output", str(tmp / "soup")],
         r"qwen3_5_moe-tiny-demo has another configuration than .*clover-tiny-demo \(differs in .*model_type",
     ),
+    "add_layers.py": (
+        lambda tmp: ["--model", str(SHIPPED), "--copy", "1", "4", "--output", str(tmp / "deeper")],
+        r"--copy \[4\]: the model has layers 0-3; name layers in that range",
+    ),
     "build_tokenizer.py": (lambda tmp: ["--output", str(a_file(tmp))], r"a-file is a file: pass a directory"),
     "convert_qwen3_5_moe.py": (lambda tmp: ["--input", MISSING, "--output", str(tmp / "c")], r"has no config.json"),
     "memory.py": (lambda tmp: ["--config", "nope.json"], r"--config 'nope.json' is neither '35B' nor a config.json"),
@@ -128,6 +132,38 @@ def test_average_weights_writes_the_mean_and_it_loads(tmp_path):
     torch.testing.assert_close(model.lm_head.weight, original["lm_head.weight"] + 0.5, rtol=0, atol=1e-6)
     again = run_script("average_weights.py", str(SHIPPED), str(shifted), "--output", "soup", cwd=tmp_path)
     assert again.returncode == 2 and "pass --force" in again.stderr  # an existing output is kept
+
+
+@pytest.mark.parametrize("model", ["clover-tiny-demo", "qwen3_5_moe-tiny-demo"])
+def test_add_layers_appends_copies_that_leave_the_function_unchanged(model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    source = REPO / "models" / model
+    result = run_script(
+        "add_layers.py", "--model", str(source), "--copy", "1", "2", "--output", "deeper", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    original, deeper = load_file(source / "model.safetensors"), load_file(tmp_path / "deeper" / "model.safetensors")
+    for new, copied in ((4, 1), (5, 2)):
+        names = [name for name in original if name.startswith(f"model.layers.{copied}.")]
+        for name in names:
+            tensor = deeper[name.replace(f".layers.{copied}.", f".layers.{new}.")]
+            if name.endswith(("o_proj.weight", "out_proj.weight")) or ".mlp." in name and "down_proj" in name:
+                assert not tensor.any(), name
+            else:
+                assert torch.equal(tensor, original[name]), name
+    assert len(deeper) == len(original) + sum(name.startswith(("model.layers.1.", "model.layers.2.")) for name in original)  # fmt: skip
+    models = [AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True) for path in (source, tmp_path / "deeper")]  # fmt: skip
+    assert models[1].config.num_hidden_layers == 6
+    assert models[1].config.layer_types[4:] == models[0].config.layer_types[1:3]
+    input_ids = torch.randint(0, 2000, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(models[1](input_ids).logits, models[0](input_ids).logits, atol=1e-4, rtol=1e-4)
+    again = run_script("add_layers.py", "--model", str(source), "--copy", "1", "--output", "deeper", cwd=tmp_path)
+    assert again.returncode == 2 and "pass --force" in again.stderr  # an existing output is kept
+    assert len(load_file(tmp_path / "deeper" / "model.safetensors")) == len(deeper)
 
 
 def test_eval_demo_decodes_self_speculatively_too(tmp_path):
