@@ -37,10 +37,6 @@ def writes_residual(name: str) -> bool:
     return name.endswith(ATTENTION_WRITES) or (".mlp." in name and "down_proj" in name.rsplit(".mlp.", 1)[1])
 
 
-# Copied in the config's per-layer lists (transformers' Qwen3.5-MoE may list one of these per layer).
-PER_LAYER_KEYS = ("layer_types", "mlp_only_layers")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Clover or Qwen3.5-MoE checkpoint directory")
@@ -76,9 +72,7 @@ def deepen(config: dict, weights: dict[str, torch.Tensor], copies: list[int]) ->
             tensor = weights[name]
             copied = torch.zeros_like(tensor) if writes_residual(name) else tensor.clone()
             weights[new + name[len(own) :]] = copied
-        for key in PER_LAYER_KEYS:
-            if isinstance(layers.get(key), list) and len(layers[key]) == num_layers + offset:
-                layers[key].append(layers[key][source])
+        layers["layer_types"].append(layers["layer_types"][source])
     layers["num_hidden_layers"] = num_layers + len(copies)
     return config, weights
 

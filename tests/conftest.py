@@ -116,3 +116,19 @@ def spy_experts_kernel(monkeypatch, experts_implementation: str) -> list[int]:
             lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
         )
     return calls
+
+
+def spy_attention(monkeypatch, attn_implementation: str) -> list[tuple[int, int, object]]:
+    """Records every call of Clover's attention function as (queries, keys, mask), the mask None when attention ran
+    without one. Returns the list the calls are appended to."""
+    from clover import modeling_clover
+
+    calls: list[tuple[int, int, object]] = []
+    attention = modeling_clover.ATTENTION_FUNCTIONS[attn_implementation]
+
+    def spy(query, key, value, mask, scaling):
+        calls.append((query.shape[-2], key.shape[-2], mask))
+        return attention(query, key, value, mask, scaling)
+
+    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, attn_implementation, spy)
+    return calls

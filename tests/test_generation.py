@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import qwen_config_from, random_ids
+from conftest import qwen_config_from, random_ids, spy_attention
 from transformers import LogitsProcessorList, Qwen3_5MoeForCausalLM
 
 from clover.generation_clover import (
@@ -92,17 +92,9 @@ def test_unpadded_decoding_attends_without_a_mask_after_the_prefill(model, monke
     """Every decoding forward of an unpadded batch (denoising steps and the fused commit-and-denoise forwards) runs
     attention with no mask: no (queries, keys) tensor per step (the tokens themselves are the naive decoder's,
     tested above)."""
-    from clover import modeling_clover
-
-    calls = []
-    attention = modeling_clover.ATTENTION_FUNCTIONS[model.config._attn_implementation]
-
-    def spy(query, key, value, mask, scaling):
-        calls.append((query.shape[-2], key.shape[-2], mask is None))
-        return attention(query, key, value, mask, scaling)
-
-    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, model.config._attn_implementation, spy)
+    recorded = spy_attention(monkeypatch, model.config._attn_implementation)
     out = generate(model, random_ids(1, 6, seed=1), threshold=0.3)
+    calls = [(queries, keys, mask is None) for queries, keys, mask in recorded]
     decoding = [call for call in calls if call[1] > 6]  # the prefill's keys are the 6 prompt tokens
     assert len(decoding) == int(out.num_forward_passes)  # the tiny model's one attention layer: one call a forward
     assert any(keys > 6 + BLOCK for _, keys, _ in decoding)  # the fused forwards ran (a block was committed)

@@ -4,7 +4,7 @@ padding, the training loss and the gated delta rule. Tiny configs on CPU, a few 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import qwen_config_from, random_ids, spy_experts_kernel
+from conftest import qwen_config_from, random_ids, spy_attention, spy_experts_kernel
 from transformers import Qwen3_5MoeForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -194,8 +194,6 @@ def test_denoising_forward_leaves_the_cache_bit_identical(tiny_model, padded_bat
 def test_a_single_block_without_padding_attends_without_a_mask_and_gives_the_masked_logits(
     tiny_model, attn_implementation, monkeypatch
 ):
-    from clover import modeling_clover
-
     tiny_model.config._attn_implementation = attn_implementation
     input_ids = random_ids(2, 10 + BLOCK, seed=4)
     attention_mask = torch.ones_like(input_ids)
@@ -204,16 +202,10 @@ def test_a_single_block_without_padding_attends_without_a_mask_and_gives_the_mas
     canvas[:, ::3] = MASK_ID
     masked = _forward_block(tiny_model, cache, canvas, attention_mask, 10 + BLOCK, use_cache=False)
 
-    masks_seen = []
-    attention = modeling_clover.ATTENTION_FUNCTIONS[attn_implementation]
-
-    def spy(query, key, value, mask, scaling):
-        masks_seen.append(mask)
-        return attention(query, key, value, mask, scaling)
-
-    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, attn_implementation, spy)
+    calls = spy_attention(monkeypatch, attn_implementation)
     with torch.no_grad():
         unmasked = tiny_model(canvas, past_key_values=cache, block_ids=0, use_cache=False).logits
+    masks_seen = [mask for _, _, mask in calls]
     assert masks_seen and all(mask is None for mask in masks_seen)
     torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="got -1, use >= 0"):
@@ -251,8 +243,6 @@ def test_a_finished_block_and_a_canvas_without_padding_attend_without_a_mask(
     """The fused commit-and-denoise forward of an unpadded batch: an int block_ids makes it blocks 0 and 1, which
     attend block by block with no mask (the last layer too when it keeps only canvas columns) and give the logits,
     states and cache of the masked forward."""
-    from clover import modeling_clover
-
     tiny_model.config._attn_implementation = attn_implementation
     input_ids = random_ids(2, 10 + BLOCK, seed=5)
     attention_mask = torch.ones(2, 10 + 2 * BLOCK, dtype=torch.long)
@@ -268,19 +258,13 @@ def test_a_finished_block_and_a_canvas_without_padding_attend_without_a_mask(
             commit_length=BLOCK, positions_to_keep=keep,
         ).last_hidden_state  # fmt: skip
 
-    masks_seen = []
-    attention = modeling_clover.ATTENTION_FUNCTIONS[attn_implementation]
-
-    def spy(query, key, value, mask, scaling):
-        masks_seen.append(mask)
-        return attention(query, key, value, mask, scaling)
-
-    monkeypatch.setitem(modeling_clover.ATTENTION_FUNCTIONS, attn_implementation, spy)
+    calls = spy_attention(monkeypatch, attn_implementation)
     with torch.no_grad():
         unmasked = tiny_model.model(
             both, past_key_values=cache, block_ids=0, commit_length=BLOCK, positions_to_keep=keep
         ).last_hidden_state
     torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+    masks_seen = [mask for _, _, mask in calls]
     # The tiny model's one attention layer is its last: one unmasked call per block, one over the kept canvas
     # columns, and the materialized mask's rows when a kept column lies in the finished block.
     if keep is None:
