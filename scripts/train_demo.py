@@ -112,6 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="N more training conversations: additions of 3-6 digit numbers worked out column by column (thinking on)",
     )
     parser.add_argument(
+        "--hard-examples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more training conversations of the families in --mix, at the top of each family's size range "
+        "(demo_tasks.LEVELS['hard']: the longest reversals and sorts, the widest additions)",
+    )
+    parser.add_argument(
         "--column-sum-width",
         type=int,
         choices=(1, 2),
@@ -153,14 +161,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 # under the settings that started it; a later stage may still change its own.
 STAGE_SETTINGS = {
     "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "easy_direct_sums", "direct_sums",
-             "worked_additions", "column_sum_width", "vocab_size", "seed"),
+             "worked_additions", "hard_examples", "column_sum_width", "vocab_size", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
     "adapt": ("adapt_steps", "adapt_lr", "noise_eps", "causal_loss_weight"),
 }  # fmt: skip
 # Settings added after runs were recorded without them, with the value those runs had.
-ADDED_SETTINGS = {"easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0, "column_sum_width": 1}
+ADDED_SETTINGS = {
+    "easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0, "hard_examples": 0, "column_sum_width": 1
+}  # fmt: skip
 # The setting that a finished stage may raise, to train on from its last checkpoint.
 EXTENDABLE = {"base": "base_steps", "adapt": "adapt_steps"}
 
@@ -310,7 +320,9 @@ def stage_data(args, run: Run) -> None:
     """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
     work = run.work
     tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
-    full, warmup_level = (replace(LEVELS[name], column_sum_width=args.column_sum_width) for name in ("full", "warmup"))
+    full, warmup_level, hard = (
+        replace(LEVELS[name], column_sum_width=args.column_sum_width) for name in ("full", "warmup", "hard")
+    )
     # Training conversations come from seed + 1 (the warm-ups from seeds + 3 and + 4), the eval-loss split from
     # seed + 2; eval_demo.py uses 12345.
     train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix, level=full)
@@ -322,8 +334,10 @@ def stage_data(args, run: Run) -> None:
     # The worked additions get better the more of the steps they take: the base trained on them alone went from
     # 17 to 37 of 48 held-out ones in 300 steps, while in the full mix they stayed near half.
     worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), level=full, enable_thinking=True)
-    if easy_sums or direct_sums or worked:
-        train += easy_sums + direct_sums + worked
+    # The errors of a trained model gather at the top of each family's size range (see `demo_tasks.LEVELS`).
+    hardest = generate_examples(args.hard_examples, args.seed + 8, FAMILIES, args.mix, level=hard)
+    if easy_sums or direct_sums or worked or hardest:
+        train += easy_sums + direct_sums + worked + hardest
         random.Random(args.seed + 5).shuffle(train)
     write_chat_jsonl(train, work / "train.jsonl")
     copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level=warmup_level)

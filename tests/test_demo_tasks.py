@@ -156,8 +156,25 @@ def test_warmup_level_draws_smaller_problems_from_a_small_word_pool():
         addition = make_example("addition", rng, enable_thinking=True, level="warmup")
         a, b = map(int, re.findall(r"\d+", addition.messages[-2]["content"]))
         assert 100 <= a < 10**4 and 100 <= b < 10**4
-    with pytest.raises(ValueError, match="Unknown level 'hard'"):
-        make_example("sorting", rng, level="hard")
+    with pytest.raises(ValueError, match="Unknown level 'huge'"):
+        make_example("sorting", rng, level="huge")
+
+
+def test_hard_level_draws_the_top_of_each_full_range():
+    """The "hard" level keeps every size inside the evaluated task ("full"), drawn from the top of its range."""
+    full, hard = LEVELS["full"], LEVELS["hard"]
+    for field in ("direct_addition_digits", "worked_addition_digits", "numbers_to_sort", "words_to_reverse"):
+        (low, high), (hard_low, hard_high) = getattr(full, field), getattr(hard, field)
+        assert low < hard_low <= hard_high == high, field
+    rng = random.Random(11)
+    for _ in range(100):
+        assert 8 <= len(make_example("reversal", rng, level="hard").expected.split()) <= 10
+        assert 9 <= len(make_example("sorting", rng, level="hard").expected.split(", ")) <= 12
+        direct = make_example("addition", rng, enable_thinking=False, level="hard")
+        assert re.fullmatch(r"\d{3} \+ \d{3} = \d+", direct.expected), direct.expected
+        worked = make_example("addition", rng, enable_thinking=True, level="hard")
+        a, b = map(int, re.findall(r"\d+", worked.messages[-2]["content"]))
+        assert 10**4 <= a < 10**6 and 10**4 <= b < 10**6
 
 
 def test_addition_working_is_arithmetically_right():

@@ -214,8 +214,9 @@ def test_train_demo_refuses_a_checkpoint_of_another_model(tmp_path):
 
 def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     """--easy-direct-sums N adds N 2-digit sums answered directly to train.jsonl, --direct-sums N adds N 2-3 digit
-    ones, --worked-additions N adds N additions worked out with thinking on; without them the corpus is the one the
-    shipped models were made from, and a run recorded before the options existed goes on under them."""
+    ones, --worked-additions N adds N additions worked out with thinking on, --hard-examples N adds N problems from
+    the top of each family's size range; without them the corpus is the one the shipped models were made from, and a
+    run recorded before the options existed goes on under them."""
     small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
              "--mix", "0.3", "0.26", "0.24", "0.2"]  # fmt: skip
     plain = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
@@ -228,6 +229,7 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the options existed
     del run["settings"]["data"]["worked_additions"]
     del run["settings"]["data"]["direct_sums"]
+    del run["settings"]["data"]["hard_examples"]
     run_file.write_text(json.dumps(run))
     again = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
@@ -260,6 +262,14 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     assert all(re.fullmatch(r"\d{2,3} \+ \d{2,3} = \d+", r["expected"]) for r in direct)
     assert any(re.fullmatch(r"\d{3} \+ \d{3} = \d+", r["expected"]) for r in direct)
     assert records[:40] != direct[:40]  # mixed in, not appended
+
+    records = corpus_with("--hard-examples", 40)
+    long_reversals = [r for r in records if r["family"] == "reversal" and len(r["expected"].split()) >= 8]
+    plain_reversals = [e for e in expected if e.family == "reversal" and len(e.expected.split()) >= 8]
+    assert len(long_reversals) > len(plain_reversals) + 5  # about 40 x 0.24 more, all of 8-10 words
+    plain_records = [example.to_record() for example in expected]
+    added = [i for i, r in enumerate(records) if r not in plain_records]
+    assert len(added) == 40 and min(added) < 60  # mixed in, not appended
 
 
 def read_jsonl(path: Path) -> list[dict]:
