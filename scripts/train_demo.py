@@ -336,8 +336,9 @@ def stage_data(args, run: Run) -> None:
     worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), level=full, enable_thinking=True)
     # The errors of a trained model gather at the top of each family's size range (see `demo_tasks.LEVELS`).
     hardest = generate_examples(args.hard_examples, args.seed + 8, FAMILIES, args.mix, level=hard)
-    if easy_sums or direct_sums or worked or hardest:
-        train += easy_sums + direct_sums + worked + hardest
+    extras = easy_sums + direct_sums + worked + hardest
+    if extras:
+        train += extras
         random.Random(args.seed + 5).shuffle(train)
     write_chat_jsonl(train, work / "train.jsonl")
     copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level=warmup_level)

@@ -223,7 +223,8 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     assert plain.returncode == 0, plain.stderr[-2000:]
     records = read_jsonl(tmp_path / "work" / "train.jsonl")
     expected = generate_examples(60, seed=1, weights=[0.3, 0.26, 0.24, 0.2])
-    assert records == [example.to_record() for example in expected]
+    plain_records = [example.to_record() for example in expected]
+    assert records == plain_records
     run_file = tmp_path / "work" / "run.json"
     run = json.loads(run_file.read_text())
     del run["settings"]["data"]["easy_direct_sums"]  # as recorded before the options existed
@@ -267,7 +268,6 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     long_reversals = [r for r in records if r["family"] == "reversal" and len(r["expected"].split()) >= 8]
     plain_reversals = [e for e in expected if e.family == "reversal" and len(e.expected.split()) >= 8]
     assert len(long_reversals) > len(plain_reversals) + 5  # about 40 x 0.24 more, all of 8-10 words
-    plain_records = [example.to_record() for example in expected]
     added = [i for i, r in enumerate(records) if r not in plain_records]
     assert len(added) == 40 and min(added) < 60  # mixed in, not appended
 
