@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,15 +301,31 @@ class CloverTrainer(Trainer):
     auxiliary loss, a statistic of each batch, is averaged with the same weights.
     """
 
-    def __init__(self, *args, decoding_state_share: float = 0.0, decoding_state_keep_wrong: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        decoding_state_share: float = 0.0,
+        decoding_state_keep_wrong: bool = False,
+        layer_learning_rates: dict[int, float] | None = None,
+        **kwargs,
+    ):
         """`decoding_state_share`: the fraction of answer blocks trained in a state LowConfidence decoding meets
         instead of under the collator's noise (`decoding_state_noise`; training steps only);
-        `decoding_state_keep_wrong`: in those states a position the rule would commit wrongly stays masked."""
+        `decoding_state_keep_wrong`: in those states a position the rule would commit wrongly stays masked;
+        `layer_learning_rates`: {layer index: peak learning rate} for decoder layers that should not train at
+        `args.learning_rate` (say, layers just added to a trained model); the schedule scales every rate alike."""
         super().__init__(*args, **kwargs)
         if not 0.0 <= decoding_state_share <= 1.0:
             raise ValueError(f"decoding_state_share ({decoding_state_share}) must lie in [0, 1].")
         self.decoding_state_share = decoding_state_share
         self.decoding_state_keep_wrong = decoding_state_keep_wrong
+        self.layer_learning_rates = dict(layer_learning_rates or {})
+        num_layers = self.accelerator.unwrap_model(self.model).config.num_hidden_layers
+        unknown = sorted(i for i in self.layer_learning_rates if not 0 <= i < num_layers)
+        if unknown:
+            raise ValueError(
+                f"layer_learning_rates names layers {unknown}, but the model has layers 0-{num_layers - 1}."
+            )
         self._decoding_state_generator = torch.Generator().manual_seed(self.args.seed)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -319,6 +336,26 @@ class CloverTrainer(Trainer):
         if self.accelerator.num_processes > 1:
             total = self.accelerator.gather(total.reshape(1)).sum()
         return batch_samples, total
+
+    def create_optimizer(self, *args, **kwargs):
+        """Trainer's optimizer, each parameter group split by `layer_learning_rates` (made before any step, so
+        there is no state to move; a resumed run with the same rates finds the same groups)."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if not self.layer_learning_rates:
+            return optimizer
+        rate_of = {}
+        for name, parameter in self.model.named_parameters():
+            found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if found and int(found.group(1)) in self.layer_learning_rates:
+                rate_of[id(parameter)] = self.layer_learning_rates[int(found.group(1))]
+        groups = []
+        for group in optimizer.param_groups:
+            by_rate: dict[float, list] = {}
+            for parameter in group["params"]:
+                by_rate.setdefault(rate_of.get(id(parameter), group["lr"]), []).append(parameter)
+            groups.extend({**group, "params": params, "lr": rate} for rate, params in by_rate.items())
+        optimizer.param_groups = groups
+        return optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # transformers 5.2 loads a resumed optimizer with map_location=args.device, which is "cpu:0" on several CPU

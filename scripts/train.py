@@ -133,6 +133,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--causal-loss-weight", type=float, default=None, help="add a next-token loss on the clean sequence"
     )
+    parser.add_argument(
+        "--layer-lr",
+        type=layer_learning_rate,
+        action="append",
+        default=[],
+        metavar="LAYER=LR",
+        help="peak learning rate of one decoder layer instead of --lr (repeat per layer), e.g. for layers just "
+        "added by scripts/add_layers.py: --layer-lr 4=1e-3 --layer-lr 5=1e-3",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=None, help="keep resumable Trainer checkpoints here")
     parser.add_argument("--save-steps", type=int, default=500, help="checkpoint interval with --checkpoint-dir")
@@ -189,6 +198,18 @@ def apply_lora(model, rank: int):
         lora_dropout=0.0,
     )
     return get_peft_model(model, config)
+
+
+def layer_learning_rate(text: str) -> tuple[int, float]:
+    """`--layer-lr` values: `LAYER=LR`, e.g. `4=1e-3`."""
+    layer, sep, rate = text.partition("=")
+    try:
+        parsed = int(layer), float(rate)
+    except ValueError:
+        parsed = None
+    if not sep or parsed is None or parsed[0] < 0 or parsed[1] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LAYER=LR (a layer index and a learning rate, e.g. 4=1e-3)")
+    return parsed
 
 
 def resume_point(args) -> str | None:
@@ -357,6 +378,7 @@ def _train_and_save(
         callbacks=[ExampleNoiseEpoch(collator)],
         decoding_state_share=args.decoding_state_noise,
         decoding_state_keep_wrong=args.keep_wrong_masked,
+        layer_learning_rates=dict(args.layer_lr),
     )
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate enables FSDP only on accelerators; on CPU it trains plain data parallel instead.

@@ -302,6 +302,42 @@ def test_clover_trainer_trains_with_decoding_states(tiny_model, tmp_path, monkey
         CloverTrainer(model=tiny_model, args=args, data_collator=collator, decoding_state_share=2.0)
 
 
+def test_clover_trainer_trains_a_layer_at_its_own_learning_rate(tiny_model, tmp_path):
+    # Every layer at learning rate 0 but layer 1: only layer 1 moves, and the schedule scales its rate too.
+    before = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    collator = CloverDataCollator(PAD, tiny_model.config.block_size, seed=0)
+    args = _training_args(
+        tmp_path,
+        max_steps=3,
+        learning_rate=0.0,
+        weight_decay=0.1,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=4,
+    )
+    trainer = CloverTrainer(
+        model=tiny_model,
+        args=args,
+        train_dataset=_copy_task(24),
+        data_collator=collator,
+        layer_learning_rates={1: 1e-2},
+    )
+    trainer.train()
+    moved = {name for name, p in tiny_model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and moved == {name for name in before if name.startswith("model.layers.1.")}
+    rates = sorted({group["lr"] for group in trainer.optimizer.param_groups})
+    assert rates == [0.0, pytest.approx(1e-2 * 3 / 4)]  # 3 of the 4 warm-up steps taken
+    assert {group["weight_decay"] for group in trainer.optimizer.param_groups} == {0.0, 0.1}  # norms keep no decay
+    with pytest.raises(ValueError, match=r"names layers \[7\], but the model has layers 0-3"):
+        CloverTrainer(model=tiny_model, args=args, data_collator=collator, layer_learning_rates={7: 1e-3})
+
+
+def test_train_script_reads_layer_learning_rates(train_script):
+    args = train_script.parse_args(["--model", "m", "--data", "d", "--output", "o", "--layer-lr", "4=1e-3"])
+    assert args.layer_lr == [(4, 1e-3)]
+    with pytest.raises(SystemExit):
+        train_script.parse_args(["--model", "m", "--data", "d", "--output", "o", "--layer-lr", "4"])
+
+
 def test_collator_weights_the_tail_after_eos_as_one_token():
     # Row 0: 6 answer tokens in blocks of 4 -> 2 tail pads; row 1: 2 answer tokens -> 2 tail pads, then a block
     # that row never reaches (unsupervised, weight 0).
