@@ -3,6 +3,7 @@
     python scripts/eval_demo.py                                   # the shipped Clover, 50 problems per family
     python scripts/eval_demo.py --model models/qwen3_5_moe-tiny-demo    # its autoregressive base, same problems
     python scripts/eval_demo.py --self-speculative                # and Clover's lossless self-speculative mode
+    python scripts/eval_demo.py --sample                          # and Qwen's recommended sampling at 0.95
     python scripts/eval_demo.py --model DIR --per-family 100 --output eval_results
 
 A Clover checkpoint is decoded by block diffusion at each threshold (and, with --self-speculative, by
@@ -31,6 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
 SELF_SPECULATIVE = "self_speculative"
+# Qwen3.5's recommended sampling for thinking mode, at the default threshold (--sample).
+SAMPLED = "sampled@0.95"
+RECOMMENDED_SAMPLING = {"threshold": 0.95, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
 # The two kinds of addition: 2-3 digit operands answered at once (thinking off), 3-6 digits worked out column by
 # column (thinking on). Reported apart, not counted again in "all".
 ADDITION_KINDS = {False: "addition_direct", True: "addition_worked"}
@@ -48,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--self-speculative", action="store_true", help="also decode a Clover checkpoint self-speculatively"
+    )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="also decode a Clover checkpoint at 0.95 with temperature 0.6, top_p 0.95, top_k 20 (seeded by --seed)",
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -90,10 +99,13 @@ def generate(model, batch, decoding, max_new_tokens, eos_ids) -> tuple[torch.Ten
     """(new tokens (batch, n), {"new": tokens through EOS per row, "forwards": forwards per row})."""
     prompt_len = batch["input_ids"].shape[1]
     if is_clover(model):
-        how = {"strategy": decoding} if decoding == SELF_SPECULATIVE else {"threshold": decoding}
-        out = model.generate(
-            **batch, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **how
-        )
+        if decoding == SELF_SPECULATIVE:
+            how = {"strategy": decoding, "do_sample": False}
+        elif decoding == SAMPLED:
+            how = RECOMMENDED_SAMPLING
+        else:
+            how = {"threshold": decoding, "do_sample": False}
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **how)
         new = out.sequences[:, prompt_len:]
         return new, {"new": out.num_new_tokens, "forwards": out.num_forward_passes}
     new = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)[:, prompt_len:]
@@ -119,7 +131,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    thresholds = sorted((key for key in results if key != SELF_SPECULATIVE), key=float, reverse=True)
+    thresholds = sorted((key for key in results if key not in (SELF_SPECULATIVE, SAMPLED)), key=float, reverse=True)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for family in [*FAMILIES, "all"]:
         left.plot(
@@ -154,14 +166,17 @@ def main(argv=None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
     examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}
-    if args.self_speculative and not is_clover(model):
-        raise ValueError(f"--self-speculative needs a Clover checkpoint; {args.model} is a {model.config.model_type}.")
+    for flag, asked in (("--self-speculative", args.self_speculative), ("--sample", args.sample)):
+        if asked and not is_clover(model):
+            raise ValueError(f"{flag} needs a Clover checkpoint; {args.model} is a {model.config.model_type}.")
     if is_clover(model):
-        decodings = [*args.thresholds, *([SELF_SPECULATIVE] if args.self_speculative else [])]
+        extra = [SELF_SPECULATIVE] * args.self_speculative + [SAMPLED] * args.sample
+        decodings = [*args.thresholds, *extra]
     else:
         decodings = [None]  # its own autoregressive generate
     for decoding in tqdm(decodings, desc="runs"):
         start = time.perf_counter()
+        torch.manual_seed(args.seed)  # the sampled run draws from torch's global generator
         stats = evaluate(model, tokenizer, examples, decoding, args.batch_size, args.max_new_tokens)
         results[str(decoding or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
 
@@ -188,9 +203,15 @@ def main(argv=None) -> None:
         "results": results,
     }
     (output / "eval_demo.json").write_text(json.dumps(payload, indent=1))
-    if is_clover(model):
-        plot(results, output / "eval_demo.png")
-    print(f"wrote {output / 'eval_demo.json'} and {output / 'eval_demo.png'}")
+    written = [output / "eval_demo.json"]
+    thresholds_run = [key for key in results if key not in ("AR", SELF_SPECULATIVE, SAMPLED)]
+    if thresholds_run:
+        try:
+            plot(results, output / "eval_demo.png")
+            written.append(output / "eval_demo.png")
+        except ImportError:  # matplotlib comes with the "train" and "test" extras, not the plain install
+            print("no plot: matplotlib is not installed (pip install matplotlib)")
+    print("wrote " + " and ".join(str(path) for path in written))
 
 
 if __name__ == "__main__":

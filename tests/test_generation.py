@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from conftest import qwen_config_from, random_ids, spy_attention
-from transformers import LogitsProcessorList, Qwen3_5MoeForCausalLM
+from transformers import LogitsProcessorList, Qwen3_5MoeForCausalLM, TopKLogitsWarper
 
 from clover.generation_clover import (
     CloverGenerationConfig,
@@ -325,6 +325,18 @@ def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(tiny_model):
     assert MASK_ID not in first.tolist()[0]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampling_with_top_k_1_decodes_exactly_as_greedy(model, temperature):
+    """top_k=1 leaves one token to draw, the argmax; the threshold reads the untruncated distribution, so the
+    same positions are committed per step as greedy commits: same tokens, same forwards."""
+    prompt = random_ids(3, 6, seed=2)
+    greedy = generate(model, prompt)
+    sampled = generate(model, prompt, do_sample=True, top_k=1, temperature=temperature, top_p=0.95)
+    assert torch.equal(sampled.sequences, greedy.sequences)
+    assert torch.equal(sampled.num_forward_passes, greedy.num_forward_passes)
+    assert sampled.steps_per_block == greedy.steps_per_block
+
+
 # ------------------------------------------------------------------------------------------------ pure helpers
 
 
@@ -333,7 +345,7 @@ def test_candidates_and_confidence_takes_the_argmax_and_its_softmax_probability(
     # probability 0; the rest (0.25, 0.75) -> token 2 with 0.75.
     scores = torch.tensor([[0.1, 0.6, 0.3], [0.0, 0.25, 0.75]]).log()
     scores[1, 0] = -math.inf
-    candidate, confidence = candidates_and_confidence(scores, do_sample=False)
+    candidate, confidence = candidates_and_confidence(scores)
     assert candidate.tolist() == [1, 2]
     torch.testing.assert_close(confidence, torch.tensor([0.6, 0.75]))
 
@@ -341,12 +353,26 @@ def test_candidates_and_confidence_takes_the_argmax_and_its_softmax_probability(
 def test_candidates_and_confidence_samples_with_the_generator_and_never_a_zero_probability_token():
     # Token 1 holds all the probability except the -inf mask column: every sample is 1, with confidence 1.
     scores = torch.tensor([[-math.inf, 5.0, -math.inf]]).expand(64, -1)
-    candidate, confidence = candidates_and_confidence(scores, True, torch.Generator().manual_seed(0))
+    candidate, confidence = candidates_and_confidence(scores, scores, torch.Generator().manual_seed(0))
     assert candidate.tolist() == [1] * 64 and torch.equal(confidence, torch.ones(64))
     # Two equal tokens: a seeded generator draws the same samples twice, and both tokens occur.
     scores = torch.zeros(64, 2)
-    draws = [candidates_and_confidence(scores, True, torch.Generator().manual_seed(3))[0] for _ in range(2)]
+    draws = [candidates_and_confidence(scores, scores, torch.Generator().manual_seed(3))[0] for _ in range(2)]
     assert torch.equal(draws[0], draws[1]) and set(draws[0].tolist()) == {0, 1}
+
+
+def test_confidence_of_a_sample_is_its_probability_before_truncation():
+    # Model probabilities (0.5, 0.3, 0.2). top-k 1 keeps token 0 alone: its warped probability is 1.0, but the
+    # confidence stays the model's 0.5, so a 0.95 threshold does not commit it. Temperature 0.5 sharpens the
+    # draw (0.5^2 : 0.3^2 : 0.2^2) but not the confidence either.
+    scores = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(16, -1)
+    top_1 = TopKLogitsWarper(1)(None, scores)
+    candidate, confidence = candidates_and_confidence(scores, top_1, torch.Generator().manual_seed(0))
+    assert candidate.tolist() == [0] * 16
+    torch.testing.assert_close(confidence, torch.full((16,), 0.5))
+    candidate, confidence = candidates_and_confidence(scores, scores / 0.5, torch.Generator().manual_seed(0))
+    expected = torch.tensor([0.5, 0.3, 0.2])[candidate]
+    torch.testing.assert_close(confidence, expected)
 
 
 CONFIDENCE = torch.tensor([[0.90, 0.50, 0.97, 0.20]])
@@ -399,7 +425,7 @@ def test_denoising_step_never_proposes_the_mask_token(tiny_model):
     canvas = torch.tensor([[42, MASK_ID, MASK_ID, MASK_ID]])
     to_decode = canvas == MASK_ID
     config = CloverGenerationConfig(threshold=0.01, mask_token_id=MASK_ID)
-    decoding = _Decoding(config, LogitsProcessorList(), torch.tensor([EOS_ID]), PAD_ID, 4, None, None)
+    decoding = _Decoding(config, LogitsProcessorList(), None, torch.tensor([EOS_ID]), PAD_ID, 4, None, None)
     new_canvas, committed = tiny_model._denoising_step(canvas, logits, to_decode, canvas, decoding, None)
     assert new_canvas.tolist() == [[42, 5, 5, 5]]
     assert committed.tolist() == [[False, True, True, True]]

@@ -164,16 +164,22 @@ class CloverGenerationOutput(ModelOutput):
 
 
 def candidates_and_confidence(
-    scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None
+    scores: torch.Tensor, sampling_scores: torch.Tensor | None = None, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate token and its probability at each position. scores (..., vocab), already processed, with the mask
-    token at -inf. Softmax in fp32: the 0.95 threshold sits where bf16 probabilities are coarse."""
+    """Candidate token and its confidence at each position.
+
+    `scores` (..., vocab) are the model's scores after the logits processors that change what it believes
+    (repetition penalty, the caller's processors), the mask token at -inf. The candidate is their argmax, or with
+    `sampling_scores` (the same scores after temperature / top-k / top-p) a draw from those. The confidence is the
+    candidate's probability under `scores`, never under the warped ones: truncation renormalises a top-k or nucleus
+    to sum to 1, which would make "probability >= 0.95" true of almost every draw and commit whole blocks at once.
+    Softmax in fp32: the 0.95 threshold sits where bf16 probabilities are coarse."""
     probs = torch.softmax(scores.float(), dim=-1)
-    if do_sample:
-        flat = probs.reshape(-1, probs.shape[-1])
-        candidate = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
-    else:
+    if sampling_scores is None:
         candidate = probs.argmax(dim=-1)
+    else:
+        sampling_probs = torch.softmax(sampling_scores.float(), dim=-1).reshape(-1, probs.shape[-1])
+        candidate = torch.multinomial(sampling_probs, 1, generator=generator).reshape(probs.shape[:-1])
     confidence = probs.gather(-1, candidate.unsqueeze(-1)).squeeze(-1)
     return candidate, confidence
 
@@ -234,7 +240,8 @@ class _Decoding:
     """The per-call settings the block loop reads."""
 
     config: CloverGenerationConfig
-    processors: LogitsProcessorList
+    processors: LogitsProcessorList  # what the model believes: repetition penalty, the caller's processors
+    warpers: LogitsProcessorList | None  # how a sample is drawn (temperature, top-k, top-p); None when greedy
     eos_ids: torch.Tensor
     pad_id: int
     max_new_tokens: int
@@ -286,8 +293,8 @@ class CloverGenerationMixin(GenerationMixin):
         eos_ids = _as_id_tensor(config.eos_token_id, input_ids.device)
         pad_id = config.pad_token_id if config.pad_token_id is not None else int(eos_ids[0]) if eos_ids.numel() else 0
         decoding = _Decoding(
-            config, self._prepare_clover_processors(config, logits_processor), eos_ids, pad_id, max_new_tokens,
-            generator, streamer,
+            config, self._prepare_clover_processors(config, logits_processor), self._prepare_clover_warpers(config),
+            eos_ids, pad_id, max_new_tokens, generator, streamer,
         )  # fmt: skip
         stopping_criteria = stopping_criteria or StoppingCriteriaList()
         if streamer is not None:
@@ -384,9 +391,12 @@ class CloverGenerationMixin(GenerationMixin):
         rows, columns = projected.nonzero(as_tuple=True)
         scores = self.lm_head(hidden_states[rows, columns]).float()  # (projected positions, vocab)
         scores[:, config.mask_token_id] = -math.inf  # never propose the mask itself
+        context = context[rows] if context is not None else None  # each position sees its row's sequence
         if len(decoding.processors):
-            scores = decoding.processors(context[rows], scores)  # each position sees its row's sequence
-        candidate_at, confidence_at = candidates_and_confidence(scores, config.do_sample, decoding.generator)
+            scores = decoding.processors(context, scores)
+        # Sampled from the warped scores, confident by the model's own (see candidates_and_confidence).
+        sampling_scores = decoding.warpers(context, scores) if decoding.warpers is not None else None
+        candidate_at, confidence_at = candidates_and_confidence(scores, sampling_scores, decoding.generator)
         candidate = canvas.index_put((rows, columns), candidate_at)
         confidence = torch.zeros(canvas.shape, device=canvas.device).index_put((rows, columns), confidence_at)
         commit = select_positions_to_commit(
@@ -631,18 +641,26 @@ class CloverGenerationMixin(GenerationMixin):
         return max_new_tokens
 
     def _prepare_clover_processors(self, config, user_processors) -> LogitsProcessorList:
+        """The processors that shape the model's distribution, which the threshold reads."""
         processors = LogitsProcessorList()
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
         processors.extend(user_processors or [])
-        if config.do_sample:
-            if config.temperature is not None and config.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(config.temperature))
-            if config.top_k is not None and config.top_k != 0:
-                processors.append(TopKLogitsWarper(config.top_k))
-            if config.top_p is not None and config.top_p < 1.0:
-                processors.append(TopPLogitsWarper(config.top_p))
         return processors
+
+    def _prepare_clover_warpers(self, config) -> LogitsProcessorList | None:
+        """The warpers a sample is drawn through (None: greedy). They change which token is drawn, never the
+        confidence it is committed with: with `top_k=1` sampling decodes exactly as greedy does."""
+        if not config.do_sample:
+            return None
+        warpers = LogitsProcessorList()
+        if config.temperature is not None and config.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            warpers.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(config.top_p))
+        return warpers
 
     def _prefill(self, input_ids, attention_mask, max_new_tokens: int, config) -> CloverDecodingState:
         """Builds the cache (static with `compile`), enters the prompt in chunks of `prefill_chunk_size` (so a long
