@@ -5,11 +5,12 @@ Everything is counted tensor by tensor with the shapes `modeling_clover` creates
 before it is downloaded, and the tests check the arithmetic against a real tiny model to the byte.
 
 Quantization assumptions (bitsandbytes 0.50, through `BitsAndBytesConfig` + `quantize_experts`):
-* quantized: every `nn.Linear` of the decoder layers (attention q/k/v/o, GDN in_proj_*/out_proj, shared expert
-  gate/up/down and `shared_expert_gate`), which `from_pretrained(quantization_config=...)` converts, and the fused 3D
-  experts (`gate_up_proj`, `down_proj`), which only `quantization_clover.quantize_experts` converts;
-* kept in the 16-bit dtype: embeddings, `lm_head` (transformers' default skip), the norms, the router (a plain
-  parameter, not an `nn.Linear`), the depthwise conv, `A_log` and `dt_bias`;
+* quantized: the `nn.Linear` layers of the decoder layers (attention q/k/v/o, GDN in_proj_qkv/in_proj_z/out_proj,
+  shared expert gate/up/down), which `from_pretrained(quantization_config=...)` converts, and the fused 3D experts
+  (`gate_up_proj`, `down_proj`), which Clover quantizes itself;
+* kept in the 16-bit dtype: embeddings, `lm_head` (transformers' default skip), the gates Clover always leaves
+  16-bit (`shared_expert_gate`, GDN `in_proj_a`/`in_proj_b`; `quantization_clover.UNQUANTIZED_MODULES`), the
+  norms, the router (a plain parameter, not an `nn.Linear`), the depthwise conv, `A_log` and `dt_bias`;
 * nf4: two values per byte + one fp32 absmax per `blocksize` (64) values + the 16-entry fp32 code, per tensor
   (double quantization: uint8 absmax + fp32 absmax per 256 of them + a 256-entry code + an fp32 offset);
 * int8 (LLM.int8): one byte per value + one fp32 scale per output row (for the experts: per expert row).
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from .configuration_clover import CloverConfig
+from .quantization_clover import UNQUANTIZED_MODULES
 
 QUANTIZATIONS = ("none", "int8", "nf4")
 NF4_CODE_ENTRIES = 16  # the nf4 lookup table bitsandbytes stores with every quantized tensor (fp32)
@@ -148,6 +150,7 @@ def tensor_bytes(
     """Bytes one tensor takes once loaded (and quantized): data plus bitsandbytes' statistics."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization ({quantization!r}) must be one of {list(QUANTIZATIONS)}.")
+    skip_modules = [*skip_modules, *UNQUANTIZED_MODULES]  # from_pretrained adds these to any bitsandbytes config
     quantized = quantization != "none" and (
         (spec.quantizable == "linear" and not is_skipped(spec.module_name, skip_modules))
         or (spec.quantizable == "experts" and quantize_experts)

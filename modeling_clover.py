@@ -36,6 +36,8 @@ from .quantization_clover import (
     prepare_quantized_storage,
     quantize_tensor,
     stored_spec,
+    unpack_cpu_4bit_layers,
+    with_unquantized_gates,
 )
 
 try:
@@ -757,6 +759,10 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _unpack_cpu_4bit_layers_hook(module, prefix, keep_vars) -> None:
+    unpack_cpu_4bit_layers(module)
+
+
 class CloverPreTrainedModel(PreTrainedModel):
     config_class = CloverConfig
     config: CloverConfig
@@ -771,8 +777,18 @@ class CloverPreTrainedModel(PreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^model\.visual\."]
     _keep_in_fp32_modules_strict = [FP32_STATISTICS]  # quantized experts' statistics
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # A bitsandbytes config leaves the routers and gates 16-bit (see quantization_clover.with_unquantized_gates).
+        if kwargs.get("quantization_config") is not None:
+            kwargs["quantization_config"] = with_unquantized_gates(kwargs["quantization_config"])
+        return super().from_pretrained(*args, **kwargs)
+
     def post_init(self):
         super().post_init()
+        # Before any state_dict (save_pretrained, PEFT, Trainer checkpoints): bitsandbytes' own inverse of its CPU
+        # 4-bit repacking scrambles the statistics it saves.
+        self.register_state_dict_pre_hook(_unpack_cpu_4bit_layers_hook)
         if spec := load_time_spec(self.config):  # every CloverExperts quantizes its tensors as the loader assigns them
             self.config.experts_quantization = spec
 

@@ -23,6 +23,7 @@ its other layers (QLoRA); the experts' quantized storage is frozen.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -36,6 +37,10 @@ QUANT_TYPES = ("nf4", "fp4", "int8")
 FP32_STATISTICS = r"experts\.parametrizations\.\w+\.0\.(absmax|quant_map|nested_absmax|nested_quant_map|offset|scale)$"
 DEFAULT_BLOCKSIZE = 64  # bitsandbytes' 4-bit default
 NESTED_BLOCKSIZE = 256  # bitsandbytes' blocks of the double-quantized statistics
+# Linear layers a bitsandbytes config never quantizes (matched as name suffixes): the MoE router, the shared
+# expert's gate and the Gated DeltaNet's decay / write-strength projections. See `with_unquantized_gates`.
+UNQUANTIZED_MODULES = ("mlp.gate", "shared_expert_gate", "in_proj_a", "in_proj_b")
+DEFAULT_SKIPPED = ("lm_head",)  # what transformers skips when the config names nothing
 
 
 def experts_spec(quant_type: str, blocksize: int | None = None, double_quant: bool = False) -> dict:
@@ -70,6 +75,56 @@ def load_time_spec(config) -> dict | None:
     if quantization.get("load_in_8bit"):
         return experts_spec("int8")
     return None
+
+
+def with_unquantized_gates(quantization_config):
+    """A copy of a bitsandbytes `quantization_config` (object or dict) whose `llm_int8_skip_modules` also names the
+    routers and gates (`UNQUANTIZED_MODULES`); any other quantization config is returned as it is.
+
+    The gates are tiny (one output for `shared_expert_gate`, one per value head for `in_proj_a`/`in_proj_b`), so
+    quantizing them saves nothing, and they steer everything after them: Qwen's own quantized releases keep them
+    16-bit. bitsandbytes' CPU 4-bit kernel also refuses them: on CPUs with AVX512-BF16 it repacks each Linear4bit
+    in groups of 32 output rows and asserts at the first forward in eval mode. A list the caller gave is kept and
+    extended; none given means transformers' default (`lm_head`) plus the gates."""
+    if quantization_config is None:
+        return None
+    as_dict = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    if as_dict.get("quant_method") != "bitsandbytes":
+        return quantization_config
+    skipped = list(as_dict.get("llm_int8_skip_modules") or DEFAULT_SKIPPED)
+    skipped += [name for name in UNQUANTIZED_MODULES if name not in skipped]
+    if isinstance(quantization_config, dict):
+        return {**quantization_config, "llm_int8_skip_modules": skipped}
+    quantization_config = copy.deepcopy(quantization_config)
+    quantization_config.llm_int8_skip_modules = skipped
+    return quantization_config
+
+
+def unpack_cpu_4bit_layers(model: nn.Module) -> int:
+    """Returns every bitsandbytes `Linear4bit` of `model` that its CPU kernel has repacked to the storage format it
+    saves in; returns how many it unpacked.
+
+    In eval mode on CPUs with AVX512-BF16, bitsandbytes (0.49-0.50) repacks each Linear4bit at its first forward:
+    the weight into 32-row tiles and the absmax, as bf16, transposed to (blocks, rows). Its own inverse, run when the
+    layer is saved, restores the weight but leaves a plain (not double-quantized) absmax transposed, so a
+    checkpoint saved after any generate holds scrambled statistics, and so does the live model afterwards. Here
+    the absmax is put back in its saved layout as well (fp32 of the bf16 values the kernel ran with, so the reload
+    computes what the live model computed). The next forward repacks as usual."""
+    count = 0
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None or not getattr(state, "packing_format_for_cpu", False):
+            continue
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        module.weight.data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, state)
+        if state.absmax.dim() == 2:  # the plain absmax, still (blocks, rows): back to one value per block
+            state.absmax = state.absmax.T.reshape(-1).float().contiguous()
+        module.weight.quant_state = state
+        if getattr(module, "quant_state", None) is not None:
+            module.quant_state = state
+        count += 1
+    return count
 
 
 def fused_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -302,6 +357,7 @@ def _disable_dequantize_cache(module: nn.Module, inputs, output) -> None:
 
 __all__ = [
     "FP32_STATISTICS",
+    "UNQUANTIZED_MODULES",
     "Clover4bitDequantize",
     "CloverInt8Dequantize",
     "fused_expert_modules",
@@ -309,4 +365,6 @@ __all__ = [
     "prepare_quantized_storage",
     "quantize_experts",
     "stored_spec",
+    "unpack_cpu_4bit_layers",
+    "with_unquantized_gates",
 ]

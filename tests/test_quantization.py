@@ -18,15 +18,19 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from clover.memory_clover import measured_weight_bytes, weight_bytes
 from clover.modeling_clover import CloverForBlockDiffusion
-from clover.quantization_clover import CloverInt8Dequantize, fused_expert_modules, quantize_experts, quantize_tensor
+from clover.quantization_clover import (
+    UNQUANTIZED_MODULES,
+    CloverInt8Dequantize,
+    fused_expert_modules,
+    quantize_experts,
+    quantize_tensor,
+    with_unquantized_gates,
+)
 from clover.training_clover import CloverDataCollator
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install bitsandbytes)")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bitsandbytes' fp16 cast notes on CPU
 
-# bitsandbytes' CPU 4-bit kernel (its AVX512-BF16 path) repacks weights in groups of 32 output rows and asserts on
-# narrower layers: shared_expert_gate (1 row, in the 35B model too) and the tiny in_proj_a/b (4 rows) stay 16-bit.
-SKIP_MODULES = ["lm_head", "shared_expert_gate", "in_proj_a", "in_proj_b"]
 # Relative RMS error of the logits against the bf16 model (tiny random model, 4 layers). Measured: experts only
 # nf4 0.033, int8 0.014; everything quantized nf4 0.21 (nf4 is ~9% RMS error per weight, compounding through every
 # projection of an untrained model), int8 0.026.
@@ -56,9 +60,10 @@ def checkpoint(tiny_config, tmp_path_factory):
 QUANT_TYPES = ["nf4", "fp4-double", "int8"]  # fp4-double: fp4 with double-quantized statistics
 
 
-def load_quantized(path, quant_type: str, skip: list[str] = ()):
-    """from_pretrained with a bitsandbytes config: "nf4", "fp4-double" (4-bit) or "int8" (8-bit)."""
-    skip_modules = SKIP_MODULES + list(skip)
+def load_quantized(path, quant_type: str, skip: list[str] | None = None):
+    """from_pretrained with a bitsandbytes config: "nf4", "fp4-double" (4-bit) or "int8" (8-bit); `skip` is
+    `llm_int8_skip_modules` as a user writes it (None: transformers' default)."""
+    skip_modules = None if skip is None else ["lm_head", *skip]
     if quant_type == "int8":
         config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
     else:
@@ -82,6 +87,45 @@ def test_bitsandbytes_config_quantizes_the_experts_as_they_load(checkpoint):
             assert experts.parametrizations[name].original.dtype == torch.uint8
             assert getattr(experts, name).dtype == torch.bfloat16  # what the forward reads: dequantized
     assert model.config.experts_quantization == {"quant_type": "nf4", "blocksize": 64, "double_quant": False}
+
+
+@pytest.mark.parametrize("skip", [None, ["experts"]])
+def test_routers_and_gates_stay_16bit_and_a_4bit_model_runs_in_eval_mode(checkpoint, skip):
+    """bitsandbytes' CPU kernel repacks Linear4bit layers in 32-row tiles in eval mode and asserts on narrower
+    ones (the gates: 1 and 4 rows here). The user's skip list is extended, never replaced."""
+    model = load_quantized(checkpoint[1], "nf4", skip=skip).eval()
+    layers = model.model.layers
+    for gate in (layers[0].linear_attn.in_proj_a, layers[0].linear_attn.in_proj_b, layers[0].mlp.shared_expert_gate):
+        assert type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16
+    assert type(layers[0].linear_attn.in_proj_qkv).__name__ == "Linear4bit"
+    assert type(model.lm_head) is nn.Linear
+    assert model.generate(random_ids(1, 6), max_new_tokens=8).shape == (1, 14)
+
+
+def test_with_unquantized_gates_extends_a_copy_of_a_bitsandbytes_config():
+    user = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["experts"])
+    extended = with_unquantized_gates(user)
+    assert extended.llm_int8_skip_modules == ["experts", *UNQUANTIZED_MODULES]
+    assert user.llm_int8_skip_modules == ["experts"]  # the caller's object is left alone
+    as_dict = with_unquantized_gates({"quant_method": "bitsandbytes", "load_in_8bit": True})
+    assert as_dict["llm_int8_skip_modules"] == [
+        "lm_head",
+        *UNQUANTIZED_MODULES,
+    ]  # none given: transformers' default too
+    other = {"quant_method": "gptq", "bits": 4}
+    assert with_unquantized_gates(other) is other
+
+
+def test_a_4bit_model_saved_after_generating_reloads_to_the_same_logits(checkpoint, tmp_path):
+    """In eval mode on CPUs with AVX512-BF16 bitsandbytes repacks each Linear4bit at its first forward, and its own
+    inverse (run by state_dict) leaves the statistics scrambled: the live model and its save then compute garbage."""
+    model = load_quantized(checkpoint[1], "nf4").eval()
+    ids = random_ids(2, 24)
+    before = logits_of(model, ids)
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(logits_of(model, ids), before, rtol=0, atol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    torch.testing.assert_close(logits_of(reloaded, ids), before, rtol=0, atol=0)
 
 
 def test_experts_in_skip_modules_stay_16bit(checkpoint):
@@ -157,7 +201,7 @@ def test_quantize_experts_after_a_bitsandbytes_load(checkpoint, quant_type):
     config = model.config
 
     def predicted(**options):
-        return sum(weight_bytes(config, torch.bfloat16, quant_type, skip_modules=SKIP_MODULES, **options).values())
+        return sum(weight_bytes(config, torch.bfloat16, quant_type, **options).values())
 
     linears_only = measured_weight_bytes(model)
     assert linears_only == predicted(quantize_experts=False)
@@ -228,11 +272,8 @@ def anonymous_bytes():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
-SKIP_MODULES = json.loads(sys.argv[2])
-
 def load():
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                                llm_int8_skip_modules=SKIP_MODULES)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
     return AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16,
                                                 quantization_config=config)
 
@@ -273,7 +314,7 @@ def test_a_4bit_load_peaks_at_the_quantized_model_plus_one_layer(tiny_config, tm
     del model
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed memory goes back at once
     result = subprocess.run(
-        [sys.executable, "-c", PEAK_OF_A_LOAD, str(tmp_path), json.dumps(SKIP_MODULES)],
+        [sys.executable, "-c", PEAK_OF_A_LOAD, str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
