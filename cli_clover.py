@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,4 +37,27 @@ def repository_label(path: str | os.PathLike) -> str:
     return str(resolved.relative_to(repository)) if resolved.is_relative_to(repository) else str(path)
 
 
-__all__ = ["USAGE_ERROR", "checkpoint_dir", "repository_label", "run_main"]
+def replace_directory(staging: Path, output: Path) -> None:
+    """Puts the complete directory `staging` at `output` (same filesystem: renames, no copies). An existing output
+    is first renamed aside (`.NAME.replaced-PID` beside it) and deleted only once the new one is in place; a failed
+    swap moves it back. Killed at any point, the old model is at `output` or beside it, never gone."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    old = None
+    if output.is_dir() and not output.is_symlink() and not any(output.iterdir()):
+        output.rmdir()
+    elif output.exists() or output.is_symlink():
+        old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
+        output.rename(old)
+    try:
+        staging.rename(output)
+    except BaseException:
+        if old is not None:
+            old.rename(output)
+        raise
+    if old is not None and old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    elif old is not None:
+        old.unlink()
+
+
+__all__ = ["USAGE_ERROR", "checkpoint_dir", "replace_directory", "repository_label", "run_main"]

@@ -39,6 +39,7 @@ from transformers import PretrainedConfig
 from transformers.utils import logging
 from transformers.utils.hub import convert_file_size_to_int
 
+from .cli_clover import replace_directory
 from .configuration_clover import CloverConfig
 from .generation_clover import CloverGenerationConfig
 
@@ -516,7 +517,7 @@ def convert_qwen3_5_moe(
         report.tokenizer = copy_tokenizer(input_dir, staging, mask_token_id)
 
         # 5. publish
-        _replace_directory(staging, output_dir)
+        replace_directory(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -532,21 +533,6 @@ def base_generation_tokens(input_dir: Path) -> dict:
         return {}
     fields = json.loads(path.read_text())
     return {key: fields[key] for key in TOKEN_FIELDS if fields.get(key) is not None}
-
-
-def _replace_directory(staging: Path, output_dir: Path) -> None:
-    """Renames `staging` to `output_dir`, moving an existing output aside first and deleting it only afterwards."""
-    old = None
-    if output_dir.is_dir() and not any(output_dir.iterdir()):
-        output_dir.rmdir()
-    elif output_dir.exists() or output_dir.is_symlink():
-        old = output_dir.with_name(f".{output_dir.name}.replaced-{os.getpid()}")
-        output_dir.rename(old)
-    staging.rename(output_dir)
-    if old is not None and old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    elif old is not None:
-        old.unlink()
 
 
 __all__ = [

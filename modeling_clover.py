@@ -14,7 +14,12 @@ With a `CloverCache`, a forward reads the committed tokens and appends only its 
 from __future__ import annotations
 
 import math
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -759,6 +764,33 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# The files of a whole model's weights, as transformers names them: single file, shards, index (safetensors or bin).
+WEIGHT_FILE = re.compile(
+    r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)|(model\.safetensors|pytorch_model\.bin)\.index\.json"
+)
+
+
+@contextmanager
+def _previous_weights_set_aside(directory: Path):
+    """Moves the weight files in `directory` into a hidden folder inside it for the duration of the block; deletes
+    them when it succeeds and moves them back when it fails (a kill leaves them in the hidden folder)."""
+    previous = [path for path in directory.iterdir() if WEIGHT_FILE.fullmatch(path.name)] if directory.is_dir() else []
+    if not previous:
+        yield
+        return
+    aside = Path(tempfile.mkdtemp(prefix=".previous-weights-", dir=directory))
+    for path in previous:
+        path.rename(aside / path.name)
+    try:
+        yield
+    except BaseException:
+        for path in previous:  # over whatever the failed save left half-written
+            (aside / path.name).replace(path)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _unpack_cpu_4bit_layers_hook(module, prefix, keep_vars) -> None:
     unpack_cpu_4bit_layers(module)
 
@@ -796,7 +828,13 @@ class CloverPreTrainedModel(PreTrainedModel):
         # The config records how the experts are stored, so from_pretrained builds them in that format (a quantized
         # model saves a pre-quantized checkpoint; see quantization_clover).
         self.config.experts_quantization = stored_spec(self)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # Weights of an earlier save that this one would not overwrite (a single model.safetensors beside new shards,
+        # or old shards beside a new single file) would be loaded instead of the new ones, or beside them: they are
+        # moved aside for the save, deleted after it, and put back if it fails.
+        with _previous_weights_set_aside(Path(save_directory)):
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

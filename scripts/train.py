@@ -45,7 +45,7 @@ from transformers import (
     set_seed,
 )
 
-from clover.cli_clover import checkpoint_dir, run_main
+from clover.cli_clover import checkpoint_dir, replace_directory, run_main
 from clover.training_clover import (
     CloverDataCollator,
     CloverTrainer,
@@ -419,9 +419,7 @@ def _train_and_save(
         return model
     tokenizer.save_pretrained(final)
     (final / "learning_curve.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    if output.exists():
-        shutil.rmtree(output)
-    final.rename(output)  # whole or nothing: the previous output survives any failure before this line
+    replace_directory(final, output)  # whole or nothing: the previous output is moved aside, then deleted
     return model
 
 

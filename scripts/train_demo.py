@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
-from clover.cli_clover import run_main
+from clover.cli_clover import replace_directory, run_main
 from clover.demo_tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
 from clover.training_clover import CausalChatCollator, encode_chat_examples, read_chat_jsonl, token_budget_batches
 
@@ -281,19 +281,6 @@ def check_output(path: Path, run: Run, stage: str, force: bool) -> None:
                              "replaced only once the new model is complete), or choose another output.")  # fmt: skip
 
 
-def publish(staging: Path, output: Path) -> None:
-    """Moves a complete model directory into place; the old one is removed only after the new one is there."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    old = output.with_name(f".{output.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if output.exists():
-        output.rename(old)
-    staging.rename(output)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def last_checkpoint(directory: Path) -> str | None:
     checkpoints = sorted(directory.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
     return str(checkpoints[-1]) if checkpoints else None
@@ -412,7 +399,7 @@ def stage_base(args, run: Run, resume: str | None) -> None:
     tokenizer.save_pretrained(staging)
     generation_config(tokenizer).save_pretrained(staging)
     (staging / "learning_curve.json").write_text(json.dumps(trainer.state.log_history, indent=1))
-    publish(staging, output)
+    replace_directory(staging, output)
     run.finish("base", time.time() - start, output=str(output.resolve()), steps=trainer.state.global_step)
     print(f"base: saved {output}")
 
@@ -487,7 +474,7 @@ def stage_adapt(args, run: Run, resume: str | None) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(adapted, staging)
     plot_learning_curves(Path(args.base_output) / "learning_curve.json", adapted / "learning_curve.json", staging)
-    publish(staging, output)
+    replace_directory(staging, output)
     run.finish("adapt", time.time() - start, output=str(output.resolve()), steps=args.adapt_steps)
     print(f"adapt: saved {output}")
 

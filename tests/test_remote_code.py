@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CODE_FILES
+from transformers import PreTrainedModel
 
-from clover.modeling_clover import CloverForBlockDiffusion
+from clover.modeling_clover import WEIGHT_FILE, CloverForBlockDiffusion
 
 REPO = Path(__file__).resolve().parents[1]
 AUTO_MAP = {
@@ -132,3 +133,46 @@ def test_remote_model_generates_what_the_package_model_generates(saved, remote):
     result, _ = remote
     assert len(result["generated"][0]) == len(PROMPT[0]) + MAX_NEW_TOKENS
     assert result["generated"] == expected
+
+
+def _weight_files(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if WEIGHT_FILE.fullmatch(path.name))
+
+
+def _assert_holds(directory: Path, model) -> None:
+    reloaded = CloverForBlockDiffusion.from_pretrained(directory)
+    for (name, expected), (_, loaded) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(expected, loaded), name
+
+
+def test_a_save_over_another_checkpoint_leaves_only_its_own_weight_files(tiny_config, tmp_path):
+    """A sharded save over a single-file checkpoint (and back): transformers leaves the other layout's files, and
+    from_pretrained then prefers model.safetensors, i.e. the old weights."""
+    torch.manual_seed(0)
+    single, sharded = CloverForBlockDiffusion(tiny_config()), CloverForBlockDiffusion(tiny_config())
+    single.save_pretrained(tmp_path)
+    sharded.save_pretrained(tmp_path, max_shard_size="200KB")
+    files = _weight_files(tmp_path)
+    assert "model.safetensors" not in files and "model.safetensors.index.json" in files and len(files) > 2
+    _assert_holds(tmp_path, sharded)
+    single.save_pretrained(tmp_path)
+    assert _weight_files(tmp_path) == ["model.safetensors"]
+    _assert_holds(tmp_path, single)
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]  # nothing set aside is left
+
+
+def test_a_failed_save_puts_the_previous_weights_back(tiny_config, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(tiny_config())
+    model.save_pretrained(tmp_path)
+
+    def failing_save(self, save_directory, *args, **kwargs):
+        (Path(save_directory) / "model.safetensors").write_bytes(b"half written")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        CloverForBlockDiffusion(tiny_config()).save_pretrained(tmp_path, max_shard_size="200KB")
+    monkeypatch.undo()
+    assert _weight_files(tmp_path) == ["model.safetensors"]
+    _assert_holds(tmp_path, model)

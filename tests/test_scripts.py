@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
+from clover.cli_clover import replace_directory
 from clover.demo_tasks import FAMILIES, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -329,3 +330,33 @@ def test_train_demo_redoes_an_adaptation_with_other_settings(tmp_path):
     assert run["settings"]["adapt"]["adapt_lr"] == 2e-3
     assert run["stages"]["superseded"]["adapt"]["settings"]["adapt_lr"] == 1e-3
     assert (tmp_path / "clover" / "model.safetensors").is_file()
+
+
+def _directory_with(path: Path, text: str) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(text)
+    return path
+
+
+def test_replace_directory_swaps_in_the_new_output_and_leaves_nothing_aside(tmp_path):
+    output = _directory_with(tmp_path / "out", "old")
+    replace_directory(_directory_with(tmp_path / "staging", "new"), output)
+    assert (output / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_replace_directory_puts_the_old_output_back_when_the_swap_fails(tmp_path, monkeypatch):
+    output = _directory_with(tmp_path / "out", "old")
+    staging = _directory_with(tmp_path / "staging", "new")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if self == staging:
+            raise OSError("disk full")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="disk full"):
+        replace_directory(staging, output)
+    assert (output / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staging"]

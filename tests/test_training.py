@@ -725,6 +725,26 @@ def test_failed_run_leaves_the_previous_output_untouched(train_script, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]  # no work dir left
 
 
+def test_force_keeps_the_previous_output_when_the_swap_fails(train_script, tmp_path, monkeypatch):
+    """--force replaces the output only once the new model is complete; the swap itself moves the old one aside
+    first, so a failure (or a kill) between removing the old and placing the new one cannot lose both."""
+    output = tmp_path / "out"
+    old = _old_output(output)
+    data = _write_jsonl(tmp_path / "data.jsonl", _good_lines(4))
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if Path(target) == output and self.name == "model":  # the finished model, moved into place
+            raise OSError("disk full")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    run = ["--data", str(data), "--batch-size", "2", "--max-steps", "1", "--seed", "0", "--force"]
+    with pytest.raises(OSError, match="disk full"):
+        train_script.main(["--model", str(DEMO), *run, "--output", str(output)])
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == old
+
+
 def test_a_checkpoint_is_a_model_to_train_on_and_a_tokenizerless_one_is_named(train_script, demo_tokenizer, tmp_path):
     data = _write_jsonl(tmp_path / "data.jsonl", _good_lines(4))
     run = ["--data", str(data), "--batch-size", "2", "--max-steps", "2", "--save-steps", "2", "--seed", "0"]
