@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -559,6 +560,10 @@ class CloverGenerationMixin(GenerationMixin):
     def _prepare_clover_config(self, generation_config, kwargs) -> tuple[CloverGenerationConfig, dict]:
         base = generation_config if generation_config is not None else self.generation_config
         config = CloverGenerationConfig.from_dict(base.to_dict()) if not isinstance(base, CloverGenerationConfig) else copy.deepcopy(base)  # fmt: skip
+        for name in ("max_new_tokens", "max_length"):  # before GenerationConfig compares them with numbers
+            value = kwargs.get(name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise TypeError(f"{name} ({value!r}) must be an int, e.g. {name}=256.")
         model_kwargs = config.update(**kwargs)
         config.validate_clover()
         if config.block_size is None:
@@ -592,13 +597,28 @@ class CloverGenerationMixin(GenerationMixin):
                 f"generate() got arguments it does not know: {sorted(model_kwargs)}. Clover takes the prompt "
                 "(input_ids, attention_mask) and generation-config fields."
             )
+        if input_ids is not None and not isinstance(input_ids, torch.Tensor):
+            raise TypeError(
+                f"input_ids must be a torch.LongTensor of shape (batch, prompt_len), not a {type(input_ids).__name__}: "
+                "pass tokenizer(..., return_tensors='pt') or torch.tensor([ids])."
+            )
         if input_ids is None or input_ids.numel() == 0:
             raise ValueError(
                 "The prompt is empty: block diffusion needs at least one prompt token; start from the chat "
                 "template's generation prompt or a BOS-like token."
             )
+        if input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise TypeError(
+                f"input_ids holds {input_ids.dtype} values; token ids are integers: pass input_ids.long() if they "
+                "are whole numbers, or the tokenizer's output."
+            )
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)}; generate takes (batch, prompt_len): flatten the "
+                "extra dimensions into the batch, e.g. input_ids.reshape(-1, input_ids.shape[-1])."
+            )
         embeddings = self.get_input_embeddings()
         hook = getattr(embeddings, "_hf_hook", None)  # offloaded (cpu/disk): weight on meta, run on the hook's device
         on_hook = getattr(hook, "execution_device", None)
@@ -608,6 +628,12 @@ class CloverGenerationMixin(GenerationMixin):
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}."
+            )
+        empty_rows = (attention_mask == 0).all(dim=-1).nonzero().flatten().tolist()
+        if empty_rows:
+            raise ValueError(
+                f"Row(s) {empty_rows} of attention_mask are all zeros: those prompts have no tokens. Drop them from "
+                "the batch or give each at least one token (the chat template's generation prompt)."
             )
         if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError(

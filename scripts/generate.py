@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from clover.cli_clover import checkpoint_dir, run_main
 
@@ -62,6 +62,13 @@ def main(argv=None) -> None:
             'The prompt is empty: pass the text to answer, e.g. python scripts/generate.py "What is 2 + 2?"'
         )
     checkpoint_dir(args.model)
+    model_type = AutoConfig.from_pretrained(args.model, trust_remote_code=True).model_type
+    if model_type != "clover":
+        raise ValueError(
+            f"{args.model} is a {model_type} checkpoint, not a Clover one: this script decodes Clover by block "
+            "diffusion. Pass a Clover checkpoint, or convert a Qwen3.5-MoE one first with python "
+            "scripts/convert_qwen3_5_moe.py --input DIR --output CLOVER_DIR (then adapt it with scripts/train.py)."
+        )
     torch.set_grad_enabled(False)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, device_map="auto")

@@ -591,6 +591,35 @@ def test_right_padded_prompt_raises_value_error(tiny_model):
         tiny_model.generate(random_ids(1, 6), attention_mask=attention_mask, max_new_tokens=8)
 
 
+@pytest.mark.parametrize(
+    "input_ids, error, message",
+    [
+        (
+            random_ids(1, 6).float(),
+            TypeError,
+            r"torch.float32 values; token ids are integers: pass input_ids.long\(\)",
+        ),
+        (random_ids(2, 1, 6), ValueError, r"shape \(2, 1, 6\); generate takes \(batch, prompt_len\)"),
+        (random_ids(1, 6).tolist(), TypeError, r"not a list: pass tokenizer\(\.\.\., return_tensors='pt'\)"),
+    ],
+)
+def test_malformed_input_ids_are_named_with_the_fix(tiny_model, input_ids, error, message):
+    with pytest.raises(error, match=message):
+        tiny_model.generate(input_ids, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("value", [8.0, "8"])
+def test_a_non_integer_max_new_tokens_is_named(tiny_model, value):
+    with pytest.raises(TypeError, match=rf"max_new_tokens \({value!r}\) must be an int"):
+        tiny_model.generate(random_ids(1, 6), max_new_tokens=value)
+
+
+def test_an_all_padding_row_is_named_as_empty_not_as_right_padding(tiny_model):
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match=r"Row\(s\) \[1\] of attention_mask are all zeros"):
+        tiny_model.generate(random_ids(2, 6), attention_mask=attention_mask, max_new_tokens=8)
+
+
 def test_static_cache_step_gives_the_same_tokens(tiny_model, monkeypatch):
     # The compiled path's logic without the compiler: whole-buffer keys under a mask, the length as a tensor, GDN
     # states updated in place. Left padding and several blocks, fused and unfused commits.

@@ -4,6 +4,7 @@ AutoModelForCausalLM, generates with it, and saves it again bit-exactly."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -176,3 +177,11 @@ def test_a_failed_save_puts_the_previous_weights_back(tiny_config, tmp_path, mon
     monkeypatch.undo()
     assert _weight_files(tmp_path) == ["model.safetensors"]
     _assert_holds(tmp_path, model)
+
+
+def test_a_truncated_weight_file_is_named_with_its_path(tiny_config, tmp_path):
+    CloverForBlockDiffusion(tiny_config()).save_pretrained(tmp_path, max_shard_size="200KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # an interrupted download
+    with pytest.raises(OSError, match=rf"{re.escape(str(shard))} is not a readable safetensors file .* again"):
+        CloverForBlockDiffusion.from_pretrained(tmp_path)

@@ -27,6 +27,10 @@ CASES = {
         r"The prompt \(\d+ tokens\) and max_new_tokens \(16\) need \d+ tokens, \d+ over the context of 1024: "
         r"shorten the prompt by \d+ tokens\.$",
     ),
+    "generate.py: AR base": (
+        lambda tmp: ["hi", "--model", str(REPO / "models" / "qwen3_5_moe-tiny-demo")],
+        r"qwen3_5_moe-tiny-demo is a qwen3_5_moe_text checkpoint, not a Clover one: .* scripts/convert_qwen3_5_moe\.py",
+    ),
     "train.py": (
         lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out")],
         r"No checkpoint at no-such-checkpoint \(no config.json there\): pass --model DIR",

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -791,6 +792,19 @@ def _previous_weights_set_aside(directory: Path):
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def _unreadable_safetensors(checkpoint, kwargs) -> Path | None:
+    """The first .safetensors file of a local checkpoint directory that safetensors cannot open, if any."""
+    if checkpoint is None or not Path(checkpoint, kwargs.get("subfolder") or "").is_dir():
+        return None
+    for path in sorted(Path(checkpoint, kwargs.get("subfolder") or "").glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):  # the header must describe exactly the bytes that follow it
+                pass
+        except SafetensorError:
+            return path
+    return None
+
+
 def _unpack_cpu_4bit_layers_hook(module, prefix, keep_vars) -> None:
     unpack_cpu_4bit_layers(module)
 
@@ -814,7 +828,16 @@ class CloverPreTrainedModel(PreTrainedModel):
         # A bitsandbytes config leaves the routers and gates 16-bit (see quantization_clover.with_unquantized_gates).
         if kwargs.get("quantization_config") is not None:
             kwargs["quantization_config"] = with_unquantized_gates(kwargs["quantization_config"])
-        return super().from_pretrained(*args, **kwargs)
+        try:
+            return super().from_pretrained(*args, **kwargs)
+        except SafetensorError as error:  # safetensors does not say which file it could not read
+            broken = _unreadable_safetensors(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+            if broken is None:
+                raise
+            raise OSError(
+                f"{broken} is not a readable safetensors file ({error}): it is truncated or damaged, e.g. by an "
+                "interrupted download, copy or save. Download or save it again."
+            ) from error
 
     def post_init(self):
         super().post_init()
