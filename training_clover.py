@@ -38,7 +38,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from .generation_clover import select_positions_to_commit
-from .modeling_clover import draw_block_noise
+from .modeling_clover import block_diffusion_layout, draw_block_noise, example_block_noise
 
 
 @dataclass
@@ -113,49 +113,19 @@ class CloverDataCollator:
             if len(feature["answer_ids"]) == 0:
                 raise ValueError(f"Example {i} has an empty answer: there is nothing to learn from it.")
         bs = self.block_size
-        prompt_len = max(len(f["prompt_ids"]) for f in features)
-        num_blocks = max(-(-len(f["answer_ids"]) // bs) for f in features)
-        answer_len = num_blocks * bs
-        batch = len(features)
-
-        input_ids = torch.full((batch, prompt_len + answer_len), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full_like(input_ids, -100)
-        label_weights = torch.zeros(input_ids.shape)
-        tail_mask = torch.zeros_like(input_ids, dtype=torch.bool)  # tail="mask": <|mask|> in every noisy copy
-        for row, feature in enumerate(features):
-            prompt, answer = list(feature["prompt_ids"]), list(feature["answer_ids"])
-            input_ids[row, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
-            attention_mask[row, prompt_len - len(prompt) :] = 1
-            answer_end = prompt_len + len(answer)
-            block_end = prompt_len + -(-len(answer) // bs) * bs  # the end of the answer's last block
-            input_ids[row, prompt_len:answer_end] = torch.tensor(answer)
-            labels[row, prompt_len:answer_end] = input_ids[row, prompt_len:answer_end]
-            label_weights[row, prompt_len:answer_end] = 1.0
-            if block_end > answer_end and self.tail == "pad":
-                labels[row, answer_end:block_end] = self.pad_token_id
-                label_weights[row, answer_end:block_end] = 1.0 / (block_end - answer_end)
-            elif block_end > answer_end:
-                tail_mask[row, answer_end:block_end] = True
-        block_ids = torch.full_like(input_ids, -1)
-        block_ids[:, prompt_len:] = torch.arange(answer_len) // bs
-
+        examples = [(list(f["prompt_ids"]), list(f["answer_ids"])) for f in features]
+        layout = block_diffusion_layout(examples, self.pad_token_id, bs, self.tail)
+        labels, block_ids, tail_mask = layout["labels"], layout["block_ids"], layout.pop("tail_mask")
         if self.per_example_noise:
-            noise_mask, noise_level = self._example_noise(features, labels != -100, block_ids, prompt_len)
+            generators = [self.example_generator(f["example_index"]) for f in features]
+            lengths = [len(answer) for _, answer in examples]
+            noise_mask, noise_level = example_block_noise(layout, lengths, bs, generators, self.eps, self.suffix_prob)
         else:
             noise_mask, noise_level = draw_block_noise(
                 labels != -100, block_ids, bs, self.next_generator(), self.eps, self.suffix_prob
             )
         noise_mask |= tail_mask
-        batch_out = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "labels": labels,
-            "block_ids": block_ids,
-            "noise_mask": noise_mask,
-            "noise_level": noise_level,
-            "label_weights": label_weights,
-        }
+        batch_out = layout | {"noise_mask": noise_mask, "noise_level": noise_level}
         if self.complementary:
             complement = ((labels != -100) & ~noise_mask) | tail_mask
             complement_level = torch.where(block_ids >= 0, (1 - noise_level).clamp(min=self.eps), noise_level)
@@ -163,24 +133,6 @@ class CloverDataCollator:
             batch_out["noise_mask"] = torch.cat([noise_mask, complement])
             batch_out["noise_level"] = torch.cat([noise_level, complement_level])
         return batch_out
-
-    def _example_noise(self, features, supervised, block_ids, prompt_len):
-        """Each row's noise over its own answer blocks only, from its own generator: the same draws whatever the
-        padding of the batch around it (columns past the row's last block stay unmasked, at level 1)."""
-        noise_mask = torch.zeros_like(supervised)
-        noise_level = torch.ones(supervised.shape)
-        for row, feature in enumerate(features):
-            span = slice(prompt_len, prompt_len + -(-len(feature["answer_ids"]) // self.block_size) * self.block_size)
-            mask, level = draw_block_noise(
-                supervised[row : row + 1, span],
-                block_ids[row : row + 1, span],
-                self.block_size,
-                self.example_generator(feature["example_index"]),
-                self.eps,
-                self.suffix_prob,
-            )
-            noise_mask[row, span], noise_level[row, span] = mask[0], level[0]
-        return noise_mask, noise_level
 
 
 def number_examples(features: Sequence[dict], start: int = 0) -> list[dict]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from clover.modeling_clover import CloverForBlockDiffusion
+from clover.modeling_clover import CloverForBlockDiffusion, batch_from_labels, examples_from_labels
 from clover.training_clover import CloverDataCollator, CloverTrainer, decoding_state_noise, encode_chat_example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,6 +186,70 @@ def test_diffusion_loss_matches_a_per_block_reference(tiny_model):
             total = total + (token_loss * weight[cols][masked[cols]] / level[cols][masked[cols]]).sum()
     expected = total / batch["label_weights"].sum()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def _causal_lm_batch(features: list[dict]) -> dict:
+    """The features as a Trainer-based client (TRL) passes them: prompt + answer right-padded, labels aligned with
+    input_ids, -100 on the prompt and the padding."""
+    length = max(len(f["prompt_ids"]) + len(f["answer_ids"]) for f in features)
+    input_ids = torch.full((len(features), length), PAD)
+    attention_mask, labels = torch.zeros_like(input_ids), torch.full_like(input_ids, -100)
+    for row, feature in enumerate(features):
+        prompt, answer = feature["prompt_ids"], feature["answer_ids"]
+        input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        attention_mask[row, : len(prompt) + len(answer)] = 1
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@pytest.fixture
+def loss_model(tiny_config):
+    """A tiny Clover whose objective includes the causal next-token term."""
+    torch.manual_seed(0)
+    return CloverForBlockDiffusion(tiny_config(causal_loss_weight=0.5)).float().eval()
+
+
+def test_labels_alone_give_the_collators_batch_and_its_loss(loss_model):
+    features = _features([(3, 19), (5, 7), (2, 9)])
+    causal = _causal_lm_batch(features)
+    collated = CloverDataCollator(PAD, 8, seed=1)(features)
+    torch.manual_seed(3)
+    rebuilt = batch_from_labels(**causal, config=loss_model.config)
+    for key in ("input_ids", "attention_mask", "labels", "label_weights", "block_ids"):
+        assert torch.equal(rebuilt[key], collated[key]), key
+    # The same noise: the collator's batch, the rebuilt batch and the labels alone (same torch seed) agree.
+    collated |= {"noise_mask": rebuilt["noise_mask"], "noise_level": rebuilt["noise_level"]}
+    expected = loss_model(**collated).loss
+    torch.testing.assert_close(loss_model(**rebuilt).loss, expected, rtol=0, atol=0)
+    torch.manual_seed(3)
+    torch.testing.assert_close(loss_model(**causal).loss, expected, rtol=1e-6, atol=1e-6)
+    torch.manual_seed(4)
+    assert not torch.allclose(loss_model(**causal).loss, expected)  # the noise comes from torch's generator
+
+
+def test_labels_with_several_answers_in_a_row_train_each_after_the_conversation_before_it():
+    # [p p a a u u b b b pad]: two supervised runs -> (p p, a a) and (p p a a u u, b b b); a run from the first
+    # token leaves that token to the prompt.
+    input_ids = torch.tensor([[1, 2, 10, 11, 3, 4, 20, 21, 22, 0], [30, 31, 32, 0, 0, 0, 0, 0, 0, 0]])
+    attention_mask = (input_ids != 0).long()
+    labels = torch.where(input_ids >= 10, input_ids, -100).masked_fill(attention_mask == 0, -100)
+    assert examples_from_labels(input_ids, attention_mask, labels) == [
+        ([1, 2], [10, 11]),
+        ([1, 2, 10, 11, 3, 4], [20, 21, 22]),
+        ([30], [31, 32]),
+    ]
+    with pytest.raises(ValueError, match="labels supervise no token"):
+        examples_from_labels(input_ids, attention_mask, torch.full_like(labels, -100))
+
+
+def test_fused_lm_head_terms_sum_to_the_loss(loss_model):
+    batch = CloverDataCollator(PAD, 8, seed=1)(_features([(3, 19), (5, 7)]))
+    output = loss_model(**batch, fused_lm_head=True)
+    torch.testing.assert_close(-output.log_probs.sum() / output.label_mask.sum(), output.loss)
+    torch.testing.assert_close(output.label_mask, batch["label_weights"])
+    assert float(output.entropy.sum()) > 0 and float(output.is_top1.sum()) >= 0
+    with pytest.raises(ValueError, match="fused_lm_head=True returns the training objective's terms: pass labels"):
+        loss_model(batch["input_ids"], fused_lm_head=True)
 
 
 @pytest.mark.parametrize("sure", [False, True])

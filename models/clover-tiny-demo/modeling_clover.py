@@ -805,6 +805,13 @@ def _unreadable_safetensors(checkpoint, kwargs) -> Path | None:
     return None
 
 
+def _is_trl_fused_head(function) -> bool:
+    """Whether `function` is the forward TRL's `add_fused_lm_head` installs (it wraps the model's own, so only its
+    code object tells)."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and "trl" in Path(code.co_filename).parts
+
+
 def _unpack_cpu_4bit_layers_hook(module, prefix, keep_vars) -> None:
     unpack_cpu_4bit_layers(module)
 
@@ -1103,6 +1110,11 @@ class CloverOutput(ModelOutput):
             it is masked. For a training forward, only the rows of the masked positions `(num_masked, vocab)`.
         cache (`CloverCache`): the committed cache (also readable as `past_key_values`).
         aux_loss (`torch.FloatTensor`): router load-balancing loss, with output_router_logits.
+        log_probs, label_mask, entropy, is_top1 (`torch.FloatTensor` of shape `(batch, seq_len)`): with
+            `fused_lm_head=True` (TRL's trainers), the objective per token, in the objective's layout: `loss =
+            -log_probs.sum() / label_mask.sum()` (+ the aux loss); `label_mask` holds the supervised tokens'
+            weights; `entropy` and `is_top1` are the masked tokens' prediction entropy and argmax hits, weighted
+            1/t so that their sums over `label_mask.sum()` estimate the per-token means.
     """
 
     loss: torch.FloatTensor | None = None
@@ -1110,6 +1122,10 @@ class CloverOutput(ModelOutput):
     cache: CloverCache | None = None
     aux_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
+    log_probs: torch.FloatTensor | None = None
+    label_mask: torch.FloatTensor | None = None
+    entropy: torch.FloatTensor | None = None
+    is_top1: torch.FloatTensor | None = None
 
     @property
     def past_key_values(self) -> CloverCache | None:
@@ -1130,6 +1146,15 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         self.generation_config = CloverGenerationConfig.from_model_config(config)
+
+    def __setattr__(self, name, value):
+        # TRL's trainers replace `forward` by a fused head that scores next-token labels on the causal path: Clover
+        # would then silently train as an autoregressive model. Its own forward answers `fused_lm_head=True` with
+        # the block-diffusion objective's terms, so the replacement is declined.
+        if name == "forward" and _is_trl_fused_head(value):
+            logger.info("Clover computes TRL's fused-head outputs itself (the block-diffusion objective).")
+            return
+        super().__setattr__(name, value)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -1159,18 +1184,24 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         label_weights: torch.FloatTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_router_logits: bool | None = None,
+        fused_lm_head: bool = False,
         **kwargs,
     ) -> CloverOutput:
         r"""
         labels (`torch.LongTensor` of shape `(batch, seq_len)`, *optional*):
-            Supervised answer tokens (-100 elsewhere). With labels the forward returns the block-diffusion loss:
-            answer blocks (`block_ids >= 0`) are noised by `noise_mask`/`noise_level` (drawn here from torch's
-            generator when not given; `CloverDataCollator` draws them from a seeded one).
+            Supervised answer tokens (-100 elsewhere). With labels the forward returns the block-diffusion loss
+            (docs/DESIGN.md §7). Either a `CloverDataCollator` batch (with `block_ids`), whose answer blocks are
+            noised by `noise_mask`/`noise_level`, or a causal-LM batch as Trainer-based clients pass it (no
+            `block_ids`; labels aligned with `input_ids`, not shifted): every run of supervised labels is then an
+            answer whose prompt is all that precedes it, laid out and noised as the collator does
+            (`batch_from_labels`; the noise from torch's generator, so `transformers.set_seed` fixes it).
         noise_mask (`torch.BoolTensor` of shape `(batch, seq_len)`, *optional*): which answer tokens are `<|mask|>` in
             the noisy copy (the loss scores the supervised ones).
         noise_level (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): the t of each token's block.
         label_weights (`torch.FloatTensor` of shape `(batch, seq_len)`, *optional*): per-token loss weights (1 for
             every supervised token when not given; `CloverDataCollator` weights the padding after EOS down).
+        fused_lm_head (`bool`): TRL's trainers ask for per-token terms instead of logits (`CloverOutput.log_probs`):
+            with labels, the objective's terms; TRL's own fused head (next-token loss) is never installed.
         logits_to_keep (`int` or `torch.LongTensor` of shape `(n,)`): if > 0, logits only for the last
             `logits_to_keep` positions; a tensor names the positions. The last layer then runs only there too
             (`CloverModel`'s `positions_to_keep`).
@@ -1180,16 +1211,22 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
         if labels is not None:
-            return self._diffusion_loss(
-                input_ids,
-                attention_mask,
-                labels,
-                block_ids,
-                noise_mask,
-                noise_level,
-                label_weights,
-                output_router_logits,
-            )
+            if input_ids is None:
+                raise ValueError("The block-diffusion loss needs input_ids (it masks tokens), not inputs_embeds.")
+            if block_ids is None:  # a causal-LM batch: rebuilt in the objective's layout
+                batch = batch_from_labels(input_ids, attention_mask, labels, self.config)
+            elif isinstance(block_ids, torch.Tensor):
+                batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+                batch |= {"block_ids": block_ids, "noise_mask": noise_mask, "noise_level": noise_level}
+                batch["label_weights"] = label_weights
+            else:
+                raise ValueError(
+                    f"block_ids ({block_ids!r}) must be a tensor (answer blocks >= 0) with labels, or None to lay the "
+                    "answers out from the labels."
+                )
+            return self._diffusion_loss(batch, output_router_logits, fused_lm_head)
+        if fused_lm_head:
+            raise ValueError("fused_lm_head=True returns the training objective's terms: pass labels.")
         positions_to_keep = None
         if isinstance(logits_to_keep, torch.Tensor):
             positions_to_keep = logits_to_keep
@@ -1262,21 +1299,18 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         )
         return outputs.last_hidden_state
 
-    def _diffusion_loss(
-        self, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level, label_weights, with_aux
-    ):
-        """The training objective (docs/DESIGN.md): CE on the masked supervised tokens weighted 1/t (and by
-        `label_weights`), over the (weighted) number of supervised tokens."""
-        if input_ids is None or not isinstance(block_ids, torch.Tensor):
-            raise ValueError(
-                "The block-diffusion loss needs input_ids and block_ids as a tensor (answer blocks >= 0); "
-                "CloverDataCollator builds both from (prompt, answer) or chat examples."
-            )
+    def _diffusion_loss(self, batch: dict, with_aux: bool, fused: bool) -> CloverOutput:
+        """The training objective (docs/DESIGN.md §7): CE on the masked supervised tokens weighted 1/t (and by
+        `label_weights`), over the (weighted) number of supervised tokens; plus `causal_loss_weight` times the
+        causal next-token CE. Each token's share of that sum is kept (`contribution`), so TRL's fused-head loss,
+        `-log_probs.sum() / label_mask.sum()`, is this loss exactly."""
+        input_ids, attention_mask, labels, block_ids = (batch[k] for k in ("input_ids", "attention_mask", "labels", "block_ids"))  # fmt: skip
         supervised = labels != -100
+        noise_mask, noise_level = batch.get("noise_mask"), batch.get("noise_level")
         if noise_mask is None or noise_level is None:
             noise_mask, noise_level = draw_block_noise(supervised, block_ids, self.config.block_size)
-        if label_weights is None:
-            label_weights = supervised.float()
+        label_weights = batch.get("label_weights")
+        label_weights = (supervised.float() if label_weights is None else label_weights.masked_fill(~supervised, 0))
         noisy = torch.where(noise_mask, torch.full_like(input_ids, self.config.mask_token_id), input_ids)
         answer_start = int((block_ids >= 0).any(dim=0).float().argmax())
         outputs = self.model(
@@ -1289,23 +1323,38 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         )
         noisy_hidden = outputs.last_hidden_state[:, input_ids.shape[1] :]  # (batch, answer_len, hidden)
         scored = (noise_mask & supervised)[:, answer_start:]  # masked in the noisy copy, and supervised
-        logits = self.lm_head(noisy_hidden[scored])  # (num_scored, vocab): only where the loss looks
-        token_loss = F.cross_entropy(logits.float(), labels[:, answer_start:][scored], reduction="none")
-        weights = label_weights[:, answer_start:][scored] / noise_level[:, answer_start:][scored]
+        logits = self.lm_head(noisy_hidden[scored]).float()  # (num_scored, vocab): only where the loss looks
+        targets = labels[:, answer_start:][scored]
         # 1/t turns the masked-token CE into the ELBO weight; dividing by all supervised tokens (weighted) keeps the
         # scale independent of how many happened to be masked.
-        loss = (token_loss * weights).sum() / label_weights.masked_fill(~supervised, 0).sum().clamp(min=1e-6)
+        weights = label_weights[:, answer_start:][scored] / noise_level[:, answer_start:][scored]
+        total_weight = label_weights.sum().clamp(min=1e-6)
+        contribution = torch.zeros(labels.shape, device=logits.device)  # (batch, seq): each token's share
+        contribution[:, answer_start:][scored] = F.cross_entropy(logits, targets, reduction="none") * weights
         if self.config.causal_loss_weight:
-            loss = loss + self.config.causal_loss_weight * self._causal_loss(input_ids, attention_mask, labels, label_weights)  # fmt: skip
+            causal = self._causal_contribution(input_ids, attention_mask, labels, label_weights)
+            contribution = contribution + self.config.causal_loss_weight * total_weight * causal
+        loss = contribution.sum() / total_weight
         aux_loss = None
         if with_aux:
             aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok)  # fmt: skip
             loss = loss + self.config.router_aux_loss_coef * aux_loss
-        return CloverOutput(loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits)
+        output = CloverOutput(loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits)
+        if fused:
+            with torch.no_grad():  # metrics only
+                probs = logits.softmax(-1)
+                entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
+                hit = (logits.argmax(-1) == targets).float()
+            output.log_probs, output.label_mask = -contribution, label_weights
+            output.entropy, output.is_top1 = torch.zeros_like(contribution), torch.zeros_like(contribution)
+            output.entropy[:, answer_start:][scored] = entropy * weights.detach()
+            output.is_top1[:, answer_start:][scored] = hit * weights.detach()
+        return output
 
-    def _causal_loss(self, input_ids, attention_mask, labels, label_weights) -> torch.Tensor:
+    def _causal_contribution(self, input_ids, attention_mask, labels, label_weights) -> torch.Tensor:
         """Next-token CE of the supervised tokens in a causal forward of the clean sequence (no block_ids: the
-        autoregressive base's forward), weighted like the diffusion loss: it keeps a converted base's AR ability."""
+        autoregressive base's forward), weighted like the diffusion loss, each token's share of its mean
+        (batch, seq; the CE of token j sits at j): it keeps a converted base's AR ability."""
         hidden_states = self.model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
@@ -1313,7 +1362,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         scored = targets != -100
         logits = self.lm_head(hidden_states[:, :-1][scored])  # (num_supervised, vocab)
         token_loss = F.cross_entropy(logits.float(), targets[scored], reduction="none")
-        return (token_loss * weights[scored]).sum() / weights[scored].sum().clamp(min=1e-6)
+        share = torch.zeros(labels.shape, device=token_loss.device)
+        share[:, 1:][scored] = token_loss * weights[scored] / weights[scored].sum().clamp(min=1e-6)
+        return share
 
 
 def draw_block_noise(
@@ -1357,6 +1408,120 @@ def draw_block_noise(
     return mask, level
 
 
+def block_diffusion_layout(
+    examples: list[tuple[list[int], list[int]]], pad_token_id: int, block_size: int, tail: str = "pad"
+) -> dict[str, torch.Tensor]:
+    """The objective's batch layout for (prompt_ids, answer_ids) examples: prompts left-padded so that every answer
+    starts at the same column, answers in blocks of `block_size` from their first token, right-padded to whole blocks:
+
+        input_ids     [pad pad p p p | a a a a  a a eos pad | ...]
+        block_ids     [ -1  -1 -1 -1 -1 |  0 0 0 0  1 1  1   1 | ...]
+        labels        [-100 ...          |  a a a a  a a eos pad]   the tail after the answer, to its block end
+        label_weights [0 ...             |  1 1 1 1  1 1  1  1/n]   ... is pad, the whole tail counting as one token
+
+    With `tail="mask"` the tail is left unsupervised (and `tail_mask` says where it is, for the noisy copy).
+    Returns input_ids, attention_mask, labels, label_weights (float), block_ids and tail_mask (bool), each
+    (batch, prompt_len + answer_len)."""
+    prompt_len = max(len(prompt) for prompt, _ in examples)
+    num_blocks = max(-(-len(answer) // block_size) for _, answer in examples)
+    shape = (len(examples), prompt_len + num_blocks * block_size)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    label_weights = torch.zeros(shape)
+    tail_mask = torch.zeros(shape, dtype=torch.bool)
+    for row, (prompt, answer) in enumerate(examples):
+        answer_end = prompt_len + len(answer)
+        block_end = prompt_len + -(-len(answer) // block_size) * block_size  # the end of the answer's last block
+        input_ids[row, prompt_len - len(prompt) : prompt_len] = torch.as_tensor(prompt)
+        input_ids[row, prompt_len:answer_end] = torch.as_tensor(answer)
+        attention_mask[row, prompt_len - len(prompt) :] = 1
+        labels[row, prompt_len:answer_end] = input_ids[row, prompt_len:answer_end]
+        label_weights[row, prompt_len:answer_end] = 1.0
+        if block_end > answer_end and tail == "pad":
+            labels[row, answer_end:block_end] = pad_token_id
+            label_weights[row, answer_end:block_end] = 1.0 / (block_end - answer_end)
+        elif block_end > answer_end:
+            tail_mask[row, answer_end:block_end] = True
+    block_ids = torch.full(shape, -1, dtype=torch.long)
+    block_ids[:, prompt_len:] = torch.arange(shape[1] - prompt_len) // block_size
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "label_weights": label_weights,
+        "block_ids": block_ids,
+        "tail_mask": tail_mask,
+    }
+
+
+def example_block_noise(
+    layout: dict[str, torch.Tensor],
+    answer_lengths: list[int],
+    block_size: int,
+    generators: list[torch.Generator | None],
+    eps: float = 1e-3,
+    suffix_prob: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_block_noise` for each row of a `block_diffusion_layout` over its own answer blocks, from its own
+    generator: the same draws whatever the padding of the batch around it (columns past the row's last block stay
+    unmasked, at level 1)."""
+    supervised, block_ids = layout["labels"] != -100, layout["block_ids"]
+    prompt_len = int((block_ids < 0).sum(-1).max())
+    noise_mask, noise_level = torch.zeros_like(supervised), torch.ones(supervised.shape)
+    for row, (length, generator) in enumerate(zip(answer_lengths, generators, strict=True)):
+        span = slice(prompt_len, prompt_len + -(-length // block_size) * block_size)
+        mask, level = draw_block_noise(
+            supervised[row : row + 1, span], block_ids[row : row + 1, span], block_size, generator, eps, suffix_prob
+        )
+        noise_mask[row, span], noise_level[row, span] = mask[0], level[0]
+    return noise_mask, noise_level
+
+
+def examples_from_labels(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor
+) -> list[tuple[list[int], list[int]]]:
+    """The (prompt_ids, answer_ids) examples of a causal-LM batch: one per run of supervised labels (labels != -100,
+    aligned with input_ids) in a row, its prompt every real token before the run, earlier answers included. A run
+    that starts at the row's first token leaves that token to the prompt (block diffusion conditions on one)."""
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    examples = []
+    for row in range(input_ids.shape[0]):
+        tokens = input_ids[row][real[row]].tolist()
+        supervised = ((labels[row] != -100) & real[row])[real[row]].tolist()
+        supervised[:1] = [False]
+        start = None
+        for column, is_supervised in enumerate([*supervised, False]):
+            if is_supervised and start is None:
+                start = column
+            elif not is_supervised and start is not None:
+                examples.append((tokens[:start], tokens[start:column]))
+                start = None
+    if not examples:
+        raise ValueError(
+            "labels supervise no token (all -100 outside the first): there is no answer to learn from. Mark the "
+            "answer tokens in labels (e.g. TRL's assistant_only_loss or completion_only_loss)."
+        )
+    return examples
+
+
+def batch_from_labels(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, config: CloverConfig
+) -> dict[str, torch.Tensor]:
+    """A causal-LM batch (what Trainer-based clients such as TRL pass) as the objective's batch: the examples of
+    `examples_from_labels` in `block_diffusion_layout` (tail "pad"), each example's noise drawn over its own blocks
+    from a generator seeded from torch's (so `transformers.set_seed` / `torch.manual_seed` reproduce it)."""
+    examples = examples_from_labels(input_ids, attention_mask, labels)
+    layout = block_diffusion_layout(examples, config.pad_token_id, config.block_size)
+    seeds = torch.randint(2**62, (len(examples),)).tolist()
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    layout["noise_mask"], layout["noise_level"] = example_block_noise(
+        layout, [len(answer) for _, answer in examples], config.block_size, generators
+    )
+    del layout["tail_mask"]
+    return {key: value.to(input_ids.device) for key, value in layout.items()}
+
+
 def load_balancing_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
     """Switch-Transformer auxiliary loss: num_experts * sum_e (fraction of tokens routed to e) * (mean prob of e)."""
     logits = torch.cat([r.float() for r in router_logits], dim=0)
@@ -1372,7 +1537,11 @@ __all__ = [
     "CloverPreTrainedModel",
     "block_causal_mask",
     "chunk_gated_delta_rule",
+    "batch_from_labels",
+    "block_diffusion_layout",
     "draw_block_noise",
+    "example_block_noise",
+    "examples_from_labels",
 ]
 
 
