@@ -1310,7 +1310,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         if noise_mask is None or noise_level is None:
             noise_mask, noise_level = draw_block_noise(supervised, block_ids, self.config.block_size)
         label_weights = batch.get("label_weights")
-        label_weights = (supervised.float() if label_weights is None else label_weights.masked_fill(~supervised, 0))
+        label_weights = supervised.float() if label_weights is None else label_weights.masked_fill(~supervised, 0)
         noisy = torch.where(noise_mask, torch.full_like(input_ids, self.config.mask_token_id), input_ids)
         answer_start = int((block_ids >= 0).any(dim=0).float().argmax())
         outputs = self.model(
