@@ -7,6 +7,15 @@ if __package__:
     from .generation_clover import CloverGenerationConfig, CloverGenerationMixin, CloverGenerationOutput
     from .modeling_clover import CloverCache, CloverForBlockDiffusion, CloverModel, CloverPreTrainedModel
 
+
+def __getattr__(name: str):
+    if name == "CloverSFTTrainer":  # needs TRL (the "trl" extra): imported only when asked for
+        from .trl_clover import CloverSFTTrainer
+
+        return CloverSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CloverCache",
     "CloverConfig",
@@ -16,4 +25,5 @@ __all__ = [
     "CloverGenerationOutput",
     "CloverModel",
     "CloverPreTrainedModel",
+    "CloverSFTTrainer",
 ]

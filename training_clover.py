@@ -135,6 +135,21 @@ class CloverDataCollator:
         return batch_out
 
 
+# LoRA targets: every projection of the attention, Gated DeltaNet and shared expert layers, and the fused 3D experts,
+# which are parameters, not nn.Linear (peft's `target_parameters`). The routers and gates stay frozen.
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj", "up_proj",
+                "down_proj"]  # fmt: skip
+LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def clover_lora_config(rank: int, **overrides):
+    """A peft `LoraConfig` over `LORA_MODULES` and `LORA_EXPERT_PARAMETERS`, alpha = 2 x rank, no dropout."""
+    from peft import LoraConfig
+
+    options = {"r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": LORA_MODULES}
+    return LoraConfig(**(options | {"target_parameters": LORA_EXPERT_PARAMETERS} | overrides))
+
+
 def number_examples(features: Sequence[dict], start: int = 0) -> list[dict]:
     """Copies of `features` with `"example_index"` = start, start + 1, ...: the key of each example's noise under
     `CloverDataCollator(per_example_noise=True)`."""
@@ -490,10 +505,13 @@ def _encode_in_worker(record: dict) -> dict:
 
 
 __all__ = [
+    "LORA_EXPERT_PARAMETERS",
+    "LORA_MODULES",
     "CausalChatCollator",
     "CloverDataCollator",
     "CloverTrainer",
     "ExampleNoiseEpoch",
+    "clover_lora_config",
     "encode_chat_example",
     "encode_chat_examples",
     "decoding_state_noise",

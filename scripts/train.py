@@ -50,25 +50,12 @@ from clover.training_clover import (
     CloverDataCollator,
     CloverTrainer,
     ExampleNoiseEpoch,
+    clover_lora_config,
     encode_chat_examples,
     number_examples,
     read_chat_jsonl,
     token_budget_batches,
 )
-
-LORA_MODULES = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-]
-LORA_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,16 +175,9 @@ def load_examples(path: str, tokenizer, max_length: int) -> list[dict]:
 
 
 def apply_lora(model, rank: int):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=LORA_MODULES,
-        target_parameters=LORA_EXPERT_PARAMETERS,  # the fused 3D experts are parameters, not nn.Linear
-        lora_dropout=0.0,
-    )
-    return get_peft_model(model, config)
+    return get_peft_model(model, clover_lora_config(rank))
 
 
 def layer_learning_rate(text: str) -> tuple[int, float]:

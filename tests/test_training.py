@@ -21,7 +21,13 @@ from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from clover.modeling_clover import CloverForBlockDiffusion, batch_from_labels, examples_from_labels
-from clover.training_clover import CloverDataCollator, CloverTrainer, decoding_state_noise, encode_chat_example
+from clover.training_clover import (
+    LORA_MODULES,
+    CloverDataCollator,
+    CloverTrainer,
+    decoding_state_noise,
+    encode_chat_example,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -590,7 +596,7 @@ def test_lora_targets_the_fused_expert_parameters(train_script, demo_tokenizer):
         wrapped = {m.parameter_name for m in layer.mlp.experts.modules() if isinstance(m, ParamWrapper)}
         assert wrapped == {"gate_up_proj", "down_proj"}
     adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    assert adapted == set(train_script.LORA_MODULES) | {"experts", "base_layer"}  # base_layer: the nested wrapper
+    assert adapted == set(LORA_MODULES) | {"experts", "base_layer"}  # base_layer: the nested wrapper
 
     # lora_B starts at zero, so its gradient is (upstream x lora_A input): non-zero only if the forward really
     # runs through the experts' adapters.
@@ -751,6 +757,41 @@ def _old_output(path: Path) -> dict[str, bytes]:
     for name, content in files.items():
         (path / name).write_bytes(content)
     return files
+
+
+CHAT_RECORDS = [
+    {"messages": [{"role": "user", "content": "Sort 3 1 2"}, {"role": "assistant", "content": "1, 2, 3"}],
+     "enable_thinking": False},
+    {"messages": [{"role": "user", "content": "Sort 3 1 2"},
+                  {"role": "assistant", "content": "1, 2, 3", "reasoning_content": "three numbers"}]},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                  {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}],
+     "enable_thinking": False},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("record", CHAT_RECORDS, ids=["thinking off", "thinking on", "tool call, two turns"])
+def test_the_templates_assistant_mask_is_the_answer_train_py_trains(demo_tokenizer, record):
+    """`{% generation %}` marks what TRL's assistant_only_loss supervises: the last reply must be exactly
+    encode_chat_example's answer (from where the generation prompt ends through <|im_end|>)."""
+    rendered = demo_tokenizer.apply_chat_template(
+        record["messages"], enable_thinking=record.get("enable_thinking", True), return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    ids, mask = rendered["input_ids"], rendered["assistant_masks"]
+    runs, start = [], None
+    for i, marked in enumerate([*mask, 0]):
+        if marked and start is None:
+            start = i
+        elif not marked and start is not None:
+            runs.append(ids[start:i])
+            start = None
+    encoded = encode_chat_example(demo_tokenizer, record, 1024)
+    assert runs[-1] == encoded["answer_ids"]
+    assert ids[: len(encoded["prompt_ids"])] == encoded["prompt_ids"]
+    assert len(runs) == sum(m["role"] == "assistant" for m in record["messages"])
 
 
 def test_parallel_encoding_gives_the_sequential_encoding_in_order(demo_tokenizer):

@@ -1213,6 +1213,12 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         if labels is not None:
             if input_ids is None:
                 raise ValueError("The block-diffusion loss needs input_ids (it masks tokens), not inputs_embeds.")
+            if block_ids is None and (position_ids is not None or "cu_seq_lens_q" in kwargs):
+                raise ValueError(
+                    "A packed (padding-free) batch: Clover lays each answer out in blocks after its own prompt, which "
+                    "position_ids cannot express. Train unpacked: packing=False and padding_free=False in TRL's "
+                    "SFTConfig."
+                )
             if block_ids is None:  # a causal-LM batch: rebuilt in the objective's layout
                 batch = batch_from_labels(input_ids, attention_mask, labels, self.config)
             elif isinstance(block_ids, torch.Tensor):
