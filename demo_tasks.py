@@ -805,4 +805,9 @@ def build_demo_tokenizer(
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     wrap(tok).save_pretrained(output_dir)
+    # The reply parsers (transformers' response_template, and 5.2's response_schema) of the project's tokenizer.
+    saved = json.loads((output_dir / "tokenizer_config.json").read_text())
+    project = json.loads((_TEMPLATE_PATH.parent / "tokenizer_config.json").read_text())
+    saved |= {key: project[key] for key in ("response_template", "response_schema")}
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n")
     return AutoTokenizer.from_pretrained(output_dir)
