@@ -17,7 +17,8 @@ SNIPPETS = {
     for heading, code in re.findall(r"^## ([^\n]+)\n(?:(?!^## ).)*?```python\n(.*?)```", README, re.S | re.M)
 }
 SILENT = ("Do you wish to run the custom code", "You are using a model of type")
-QUANTIZED = "Running the real checkpoint"
+QUANTIZED = "Running Clover-35B-A3B"
+FINE_TUNING = "Fine-tuning"
 FOUR_BIT = 'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")'
 SORTED = "3, 7, 19, 42, 88"  # the quantization snippet's question, answered
 
@@ -27,14 +28,35 @@ def test_readme_has_the_snippets_this_checks():
     assert FOUR_BIT in SNIPPETS.get(QUANTIZED, ""), sorted(SNIPPETS)
 
 
-@pytest.mark.parametrize("heading", ["Using it from Transformers"])
-def test_readme_snippet_runs_as_written_without_prompts_or_warnings(heading):
+def printed_block(heading: str) -> str:
+    """The ```text block that follows the section's Python snippet: what the README says it prints."""
+    section = README.split(f"## {heading}\n", 1)[1]
+    return re.search(r"```python\n.*?```\s*```text\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_transformers_snippet_prints_what_the_readme_shows_without_prompts_or_warnings():
+    heading = "Using it from Transformers"
     result = run_python("-c", SNIPPETS[heading], cwd=REPO)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     for text in SILENT:
         assert text not in output, output[-3000:]
-    assert result.stdout.strip(), "the snippet printed nothing"
+    assert result.stdout == printed_block(heading), output[-3000:]
+
+
+def test_readme_trl_snippet_trains_and_saves_a_loadable_model(tmp_path):
+    pytest.importorskip("trl")
+    code = (
+        SNIPPETS[FINE_TUNING]
+        .replace("max_steps=150", "max_steps=2")
+        .replace('"my-clover"', repr(str(tmp_path / "out")))
+    )
+    saved = str(tmp_path / "out")
+    code += f"\nprint(type(AutoModelForCausalLM.from_pretrained({saved!r}, trust_remote_code=True)).__name__)"
+    result = run_python("-c", code, cwd=REPO)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "CloverForBlockDiffusion", output[-3000:]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
