@@ -42,7 +42,7 @@ def generate(model, prompt, **kwargs):
 
 def naive_decode(model, prompt, max_new_tokens, threshold, eos_id=EOS_ID):
     """The decode rule (docs/DESIGN.md §6) for one row, with no cache: every step reruns [prompt, committed blocks, canvas]
-    with block_ids. Returns (the max_new_tokens new tokens, number of forwards)."""
+    with block_ids. Returns (the new tokens: max_new_tokens, or through EOS when it comes first; forwards)."""
     context, new_tokens, forwards = prompt[0].tolist(), [], 0
     for block in range(math.ceil(max_new_tokens / BLOCK)):
         canvas = [MASK_ID] * BLOCK  # every block is decoded whole, then the answer is cut to max_new_tokens
@@ -71,8 +71,7 @@ def naive_decode(model, prompt, max_new_tokens, threshold, eos_id=EOS_ID):
             break
         new_tokens += canvas
         context += canvas
-    new_tokens = new_tokens[:max_new_tokens]
-    return new_tokens + [PAD_ID] * (max_new_tokens - len(new_tokens)), forwards
+    return new_tokens[:max_new_tokens], forwards
 
 
 @pytest.mark.parametrize("threshold", [1.0, 0.3])
@@ -109,7 +108,7 @@ def test_generate_equals_the_naive_decoder_when_eos_occurs(model):
     out = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
     expected, forwards = naive_decode(model, prompt, MAX_NEW_TOKENS, 0.3, eos_id=eos_id)
     assert out.sequences[0, 6:].tolist() == expected
-    assert expected.index(eos_id) <= 10 and expected[-1] == PAD_ID
+    assert expected.index(eos_id) <= 10 and expected[-1] == eos_id  # a lone row ends at its EOS
     assert int(out.num_forward_passes) == forwards
 
 
@@ -161,7 +160,9 @@ def test_batched_generate_equals_one_by_one_when_a_row_ends_early(model, unequal
     assert int(batched.num_new_tokens[0]) <= 10  # row 0 ends early, in block 0 or 1
     for row, prompt in enumerate(prompts):
         alone = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
-        assert batched.sequences[row, 9:].tolist() == alone.sequences[0, prompt.shape[1] :].tolist()
+        alone_tokens = alone.sequences[0, prompt.shape[1] :].tolist()  # a lone row that ended stops at its EOS
+        assert batched.sequences[row, 9 : 9 + len(alone_tokens)].tolist() == alone_tokens
+        assert set(batched.sequences[row, 9 + len(alone_tokens) :].tolist()) <= {PAD_ID}
         assert int(batched.num_forward_passes[row]) == int(alone.num_forward_passes[0])
         assert int(batched.num_new_tokens[row]) == int(alone.num_new_tokens[0])
 
@@ -280,7 +281,7 @@ def test_self_speculative_stops_at_an_early_eos_like_causal_greedy(model):
     expected = causal_greedy(model, prompt, MAX_NEW_TOKENS, eos_id=eos_id)
     assert len(expected) <= 4 and expected[-1] == eos_id
     new = out.sequences[0, 6:].tolist()
-    assert through_eos(new, eos_id) == expected and new[len(expected) :] == [PAD_ID] * (MAX_NEW_TOKENS - len(expected))
+    assert new == expected  # stops at the EOS, as causal greedy decoding does
     assert int(out.num_new_tokens) == len(expected)
 
 
@@ -460,20 +461,26 @@ def test_lm_head_on_undecided_positions_only_gives_the_same_tokens_as_the_whole_
 # ------------------------------------------------------------------------------------------------ output format
 
 
-def test_output_has_exactly_max_new_tokens_columns_and_pad_after_eos(model):
+def test_output_stops_once_every_row_has_ended_and_pads_after_each_eos(model):
+    """As autoregressive generate: max_new_tokens columns, fewer once every row has ended (through the last row's
+    EOS), pad after each row's own EOS."""
     prompt = random_ids(1, 6, seed=1)
     eos_id = int(generate(model, prompt, threshold=0.3).sequences[0, 6 + 10])
     out = generate(model, prompt, threshold=0.3, eos_token_id=eos_id)
     assert isinstance(out, CloverGenerationOutput)
-    assert out.sequences.shape == (1, 6 + MAX_NEW_TOKENS)  # every row ended early, still all the columns
     assert torch.equal(out.sequences[:, :6], prompt)
     new = out.sequences[0, 6:].tolist()
-    end = new.index(eos_id)
-    assert all(token == PAD_ID for token in new[end + 1 :])
-    assert int(out.num_new_tokens) == end + 1
+    assert new.index(eos_id) == len(new) - 1 <= 10  # the lone row ends at its EOS
+    assert int(out.num_new_tokens) == len(new)
     torch.testing.assert_close(out.tokens_per_forward, out.num_new_tokens / out.num_forward_passes)
     plain = model.generate(prompt, threshold=0.3, eos_token_id=eos_id, max_new_tokens=MAX_NEW_TOKENS)
     assert torch.equal(plain, out.sequences)
+    # Beside a row that runs to the budget, the ended row is padded after its EOS to all the columns.
+    other = next(p for seed in range(20) if eos_id not in generate(model, p := random_ids(1, 6, seed=seed), threshold=0.3).sequences[0, 6:].tolist())  # fmt: skip
+    batch = generate(model, torch.cat([prompt, other]), threshold=0.3, eos_token_id=eos_id)
+    assert batch.sequences.shape == (2, 6 + MAX_NEW_TOKENS)
+    assert batch.sequences[0, 6 : 6 + len(new)].tolist() == new
+    assert set(batch.sequences[0, 6 + len(new) :].tolist()) == {PAD_ID}
 
 
 # ------------------------------------------------------------------------------------------------ streaming

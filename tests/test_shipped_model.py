@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,7 +107,9 @@ def test_pipeline_plain_prompt_matches_generate_and_full_text(model, tokenizer):
     assert full == prompt + new
     # The pipeline is greedy (the generation config says so) and decodes what model.generate decodes.
     reference = model.generate(torch.tensor([ids]), max_new_tokens=32)[0, len(ids) :]
-    assert new == tokenizer.decode(reference, skip_special_tokens=True)
+    # A tokenizer with a response template keeps the special tokens in the pipeline's text (transformers 5.25).
+    keeps_special = getattr(generator.tokenizer, "response_template", None) is not None
+    assert new == tokenizer.decode(reference, skip_special_tokens=not keeps_special)
 
 
 def test_pipeline_chat_messages_batched_equal_one_by_one():
@@ -118,7 +121,11 @@ def test_pipeline_chat_messages_batched_equal_one_by_one():
     ]
     batched = generator(chats, max_new_tokens=48, batch_size=3, return_full_text=False)
     single = [generator(chat, max_new_tokens=48, return_full_text=False) for chat in chats]
-    assert [b[0]["generated_text"] for b in batched] == [s[0]["generated_text"] for s in single]
+    # A batched row is padded after its EOS (as in autoregressive generate), and with a response template
+    # (transformers 5.25) the pipeline's text keeps those pad tokens.
+    pads = f"({re.escape(generator.tokenizer.pad_token)})+$"
+    unpadded = [re.sub(pads, "", b[0]["generated_text"]) for b in batched]
+    assert unpadded == [s[0]["generated_text"] for s in single]
     assert all(b[0]["generated_text"] for b in batched)
     full = generator(chats[0], max_new_tokens=48)[0]["generated_text"]
     assert full[:-1] == chats[0] and full[-1]["role"] == "assistant"

@@ -75,7 +75,9 @@ def test_sft_trainer_loss_is_the_block_diffusion_objective_not_next_token_loss(m
     assert abs(float(trl_loss) - float(next_token)) > 0.5, (float(trl_loss), float(next_token))
 
 
-def test_clover_sft_trainer_trains_chats_on_the_replies_with_lora_on_the_experts_and_checkpointing(model, tokenizer, tmp_path):
+def test_clover_sft_trainer_trains_chats_on_the_replies_with_lora_on_the_experts_and_checkpointing(
+    model, tokenizer, tmp_path
+):
     data = Dataset.from_list(chats(8))
     trainer = CloverSFTTrainer(model, config(tmp_path, gradient_checkpointing=True), train_dataset=data,
                                processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8))  # fmt: skip

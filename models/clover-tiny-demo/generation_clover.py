@@ -142,8 +142,9 @@ class CloverGenerationConfig(GenerationConfig):
 class CloverGenerationOutput(ModelOutput):
     """
     Args:
-        sequences (`torch.LongTensor` of shape `(batch, prompt_len + max_new_tokens)`):
-            The (left-padded) prompt followed by exactly `max_new_tokens` new tokens; pad after a row's EOS.
+        sequences (`torch.LongTensor` of shape `(batch, prompt_len + new_len)`):
+            The (left-padded) prompt followed by the new tokens: `max_new_tokens` of them, or fewer when every row
+            ended (through the last row's EOS), as autoregressive `generate` returns them; pad after a row's EOS.
         num_forward_passes (`torch.LongTensor` of shape `(batch,)`):
             Model forwards after the prompt prefill while the row was still decoding (denoising steps and any
             separate commit forwards).
@@ -284,8 +285,8 @@ class CloverGenerationMixin(GenerationMixin):
                 receives every intermediate canvas.
             generator: a `torch.Generator` for sampling (else torch's global one, so `torch.manual_seed` works).
         Returns:
-            `torch.LongTensor` (batch, prompt_len + max_new_tokens), or `CloverGenerationOutput` with
-            `return_dict_in_generate=True`.
+            `torch.LongTensor` (batch, prompt_len + max_new_tokens, or fewer once every row has ended), or
+            `CloverGenerationOutput` with `return_dict_in_generate=True`.
         """
         # 1. prepare
         config, model_kwargs = self._prepare_clover_config(generation_config, kwargs)
@@ -536,17 +537,18 @@ class CloverGenerationMixin(GenerationMixin):
             steps += 1
 
     def _finalize(self, input_ids, sequences, num_forwards, steps_per_block, decoding: _Decoding):
-        """3: the prompt plus exactly `max_new_tokens` columns (pad after EOS), and the counts."""
+        """3: the prompt plus the new tokens, as autoregressive `generate` returns them: `max_new_tokens` columns,
+        or fewer when every row has ended (through the last row's EOS; pad after each row's own EOS); the counts."""
         if decoding.streamer is not None:
             decoding.streamer.end()
         max_new_tokens = decoding.max_new_tokens
         new_tokens = sequences[:, input_ids.shape[1] : input_ids.shape[1] + max_new_tokens]
-        if new_tokens.shape[1] < max_new_tokens:  # every row ended early: fill the promised columns with pad
-            new_tokens = torch.nn.functional.pad(new_tokens, (0, max_new_tokens - new_tokens.shape[1]), value=decoding.pad_id)  # fmt: skip
+        num_new = torch.clamp(first_eos_index(new_tokens, decoding.eos_ids) + 1, max=new_tokens.shape[1])
+        # The blocks past the last EOS hold only pad: cut, as AR decoding stops once every row is done.
+        new_tokens = new_tokens[:, : int(num_new.max())]
         sequences = torch.cat([input_ids, new_tokens], dim=1)
         if not decoding.config.return_dict_in_generate:
             return sequences
-        num_new = torch.clamp(first_eos_index(new_tokens, decoding.eos_ids) + 1, max=max_new_tokens)
         return CloverGenerationOutput(
             sequences=sequences,
             num_forward_passes=num_forwards,
