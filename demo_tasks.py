@@ -692,29 +692,14 @@ def _render(tokenizer, example: DemoExample, messages: list[dict], add_generatio
 
 
 def encode_example(tokenizer, example: DemoExample, max_length: int) -> tuple[list[int], list[int]]:
-    """(prompt_ids, answer_ids) for training: prompt = the conversation before the target with the generation
-    prompt; answer = the rest of the full rendering, up to and including the target's ``<|im_end|>``.
+    """(prompt_ids, answer_ids) of an example, by `training_clover.encode_chat_example` (the encoding training and
+    evaluation share): with thinking on the prompt ends with ``<think>\\n`` and the answer is ``reasoning\\n
+    </think>\\n\\ncontent<|im_end|>``; with thinking off the prompt ends with ``<think>\\n\\n</think>\\n\\n`` and the
+    answer is ``content<|im_end|>``."""
+    from .training_clover import encode_chat_example
 
-    With thinking on the prompt ends with ``<think>\\n`` and the answer is ``reasoning\\n</think>\\n\\ncontent
-    <|im_end|>``; with thinking off the prompt ends with ``<think>\\n\\n</think>\\n\\n`` and the answer is
-    ``content<|im_end|>``. Raises ValueError when the two renderings disagree or the total exceeds `max_length`.
-    """
-    prompt = _render(tokenizer, example, example.messages[:-1], add_generation_prompt=True)
-    full = _render(tokenizer, example, example.messages, add_generation_prompt=False)
-    if not full.startswith(prompt):
-        raise ValueError("Chat template inconsistency: the full conversation does not start with the prompt rendering")
-    end = full.rfind("<|im_end|>")
-    if end < len(prompt):
-        raise ValueError("The rendered target turn has no <|im_end|>")
-    full = full[: end + len("<|im_end|>")]  # drop the newline after the final end-of-turn
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    if full_ids[: len(prompt_ids)] != prompt_ids:
-        raise ValueError("Tokenization of the prompt is not a prefix of the tokenization of the full conversation")
-    answer_ids = full_ids[len(prompt_ids) :]
-    if len(full_ids) > max_length:
-        raise ValueError(f"Example is {len(full_ids)} tokens, longer than max_length={max_length}")
-    return prompt_ids, answer_ids
+    encoded = encode_chat_example(tokenizer, example.to_record(), max_length)
+    return encoded["prompt_ids"], encoded["answer_ids"]
 
 
 def _read_template(chat_template: str | Path | None) -> str:

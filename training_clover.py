@@ -451,8 +451,12 @@ def read_chat_jsonl(path: str | Path) -> list[dict]:
 
 
 def encode_chat_example(tokenizer, record: dict, max_length: int) -> dict[str, list[int]]:
-    """(prompt_ids, answer_ids) of a chat record: the prompt is the conversation before the last assistant turn
-    with the generation prompt; the answer is the rest of the rendered conversation, through `<|im_end|>`."""
+    """(prompt_ids, answer_ids) of a chat record, the one encoding training and evaluation share: the prompt is
+    the conversation before the last assistant turn with the generation prompt (what `generate` is given); the
+    answer is the rest of the rendered conversation through its `<|im_end|>` (the reply `{% generation %}` marks).
+    Both come from one tokenization of the whole conversation, so the answer is exactly what follows the prompt's
+    tokens. A `{"prompt", "answer"}` record is plain text split where the caller split it, the answer ending with
+    EOS."""
     line = record.get("_line", "?")
     if "messages" in record:
         messages, tools = record["messages"], record.get("tools")
@@ -463,19 +467,32 @@ def encode_chat_example(tokenizer, record: dict, max_length: int) -> dict[str, l
         full_text = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=thinking, tokenize=False)
         if not full_text.startswith(prompt_text):
             raise ValueError(f"line {line}: the chat template renders the prompt differently inside the conversation.")
-        answer_text = full_text[len(prompt_text) :].rstrip("\n")
-    else:
-        prompt_text, answer_text = record["prompt"], record["answer"]
+        full_text = full_text.rstrip("\n")  # the reply ends at its <|im_end|>, not at the newline after it
+    else:  # plain text: the caller's boundary, each side tokenized on its own
+        answer_text = record["answer"]
         if tokenizer.eos_token and not answer_text.endswith(tokenizer.eos_token):
             answer_text += tokenizer.eos_token
+        prompt_ids = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        full_ids = prompt_ids + tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+        return _within_context({"prompt_ids": prompt_ids, "answer_ids": full_ids[len(prompt_ids) :]}, line, max_length)
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
-    if len(prompt_ids) + len(answer_ids) > max_length:
+    full_ids = tokenizer(full_text, add_special_tokens=False)["input_ids"]
+    if full_ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(
-            f"line {line}: the example has {len(prompt_ids) + len(answer_ids)} tokens, more than the context of "
-            f"{max_length}; shorten it or raise --max-length."
+            f"line {line}: the prompt's tokens are not a prefix of the whole conversation's (a merge across the "
+            "boundary): end the prompt on a token boundary."
         )
-    return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
+    return _within_context({"prompt_ids": prompt_ids, "answer_ids": full_ids[len(prompt_ids) :]}, line, max_length)
+
+
+def _within_context(encoded: dict[str, list[int]], line, max_length: int) -> dict[str, list[int]]:
+    length = len(encoded["prompt_ids"]) + len(encoded["answer_ids"])
+    if length > max_length:
+        raise ValueError(
+            f"line {line}: the example has {length} tokens, more than the context of {max_length}; shorten it or "
+            "raise --max-length."
+        )
+    return encoded
 
 
 def encode_chat_examples(
