@@ -99,7 +99,7 @@ def test_routers_and_gates_stay_16bit_and_a_4bit_model_runs_in_eval_mode(checkpo
         assert type(gate) is nn.Linear and gate.weight.dtype == torch.bfloat16
     assert type(layers[0].linear_attn.in_proj_qkv).__name__ == "Linear4bit"
     assert type(model.lm_head) is nn.Linear
-    assert model.generate(random_ids(1, 6), max_new_tokens=8).shape == (1, 14)
+    assert 6 < model.generate(random_ids(1, 6), max_new_tokens=8).shape[1] <= 14
 
 
 def test_with_unquantized_gates_extends_a_copy_of_a_bitsandbytes_config():
@@ -222,7 +222,7 @@ def test_quantize_experts_after_a_bitsandbytes_load(checkpoint, quant_type):
     prompt = random_ids(1, 10)
     output = model.generate(prompt, max_new_tokens=16, do_sample=False)
     new_tokens = output[0, 10:]
-    assert output.shape == (1, 26) and torch.equal(output[0, :10], prompt[0])
+    assert 10 < output.shape[1] <= 26 and torch.equal(output[0, :10], prompt[0])  # shorter if EOS came
     assert bool(((new_tokens >= 0) & (new_tokens < config.vocab_size) & (new_tokens != config.mask_token_id)).all())
 
 
