@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover.cli_clover import checkpoint_dir, repository_label, run_main
 from clover.configuration_clover import CloverConfig
-from clover.demo_tasks import FAMILIES, check_reply, encode_example, generate_examples
+from clover.demo.tasks import FAMILIES, check_reply, encode_example, generate_examples
 from clover.modeling_clover import CloverCache, CloverForBlockDiffusion, rotary_inverse_frequencies
 
 REPO = Path(__file__).resolve().parent.parent

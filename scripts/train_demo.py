@@ -4,7 +4,7 @@
     python scripts/train_demo.py --stages base        # one stage (the ones before it must be done)
 
 1. data:    the demo tokenizer and the chat corpus (JSONL, training seed 1; eval_demo.py holds out seed 12345),
-            with a warm-up set of smaller problems (`demo_tasks.LEVELS`) that the base starts on;
+            with a warm-up set of smaller problems (`demo.tasks.LEVELS`) that the base starts on;
 2. base:    transformers' Qwen3_5MoeForCausalLM (Gated DeltaNet and gated attention, alternating), trained causally
             on the answers with transformers.Trainer, warm-up first -> --base-output (a plain Qwen3.5-MoE
             checkpoint: the AR model Clover is compared with);
@@ -38,7 +38,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
 from clover.cli_clover import replace_directory, run_main
-from clover.demo_tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
+from clover.demo.tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
 from clover.training_clover import CausalChatCollator, encode_chat_examples, read_chat_jsonl, token_budget_batches
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="N more training conversations of the families in --mix, at the top of each family's size range "
-        "(demo_tasks.LEVELS['hard']: the longest reversals and sorts, the widest additions)",
+        "(demo.tasks.LEVELS['hard']: the longest reversals and sorts, the widest additions)",
     )
     parser.add_argument(
         "--column-sum-width",
@@ -321,7 +321,7 @@ def stage_data(args, run: Run) -> None:
     # The worked additions get better the more of the steps they take: the base trained on them alone went from
     # 17 to 37 of 48 held-out ones in 300 steps, while in the full mix they stayed near half.
     worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), level=full, enable_thinking=True)
-    # The errors of a trained model gather at the top of each family's size range (see `demo_tasks.LEVELS`).
+    # The errors of a trained model gather at the top of each family's size range (see `demo.tasks.LEVELS`).
     hardest = generate_examples(args.hard_examples, args.seed + 8, FAMILIES, args.mix, level=hard)
     extras = easy_sums + direct_sums + worked + hardest
     if extras:
@@ -343,7 +343,7 @@ def encoded(path: Path, tokenizer, max_length: int) -> list[dict]:
 
 def curriculum(args, warmups: list[list[dict]], train: list[dict], steps: int) -> list[list[dict]]:
     """The base's batches in the order they are trained on: each warm-up's in turn (reversals of a few common words
-    first: the copying they teach carries over, see `demo_tasks.DemoLevel`), then the full corpus's, reshuffled as
+    first: the copying they teach carries over, see `demo.tasks.DemoLevel`), then the full corpus's, reshuffled as
     often as `steps` needs (Trainer reads them in order, `train_sampling_strategy="sequential"`)."""
     batches = [batch for warmup in warmups for batch in token_budget_batches(warmup, args.batch_tokens, args.seed)]
     epoch = 0

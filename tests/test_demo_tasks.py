@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from clover.demo_tasks import (
+from clover.demo.tasks import (
     FAMILIES,
     LEVELS,
     SPECIAL_TOKENS,
@@ -143,7 +143,7 @@ def test_family_answers_are_right():
 
 
 def test_warmup_level_draws_smaller_problems_from_a_small_word_pool():
-    from clover.demo_tasks import _WORDS, LEVELS
+    from clover.demo.tasks import _WORDS, LEVELS
 
     rng = random.Random(5)
     pool = set(_WORDS[: LEVELS["warmup"].word_pool])

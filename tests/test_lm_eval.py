@@ -4,7 +4,6 @@ does. Skipped without lm-eval."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,8 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip i
 from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from clover.demo_tasks import FAMILIES, check_reply, generate_examples  # noqa: E402
+from clover.demo.evaluation import evaluate  # noqa: E402
+from clover.demo.tasks import FAMILIES, check_reply, generate_examples  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "models" / "clover-tiny-demo"
@@ -49,15 +49,12 @@ def test_lm_eval_in_process_scores_as_eval_demo_does(task_manager):
         limit=LIMIT,
         log_samples=True,
     )
-    spec = importlib.util.spec_from_file_location("clover_eval_demo", REPO / "scripts" / "eval_demo.py")
-    eval_demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eval_demo)
     model = AutoModelForCausalLM.from_pretrained(DEMO, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(DEMO, trust_remote_code=True)
     problems = generate_examples(50 * len(FAMILIES), seed=12345)
     for family in FAMILIES:
         examples = [example for example in problems if example.family == family][:LIMIT]
-        expected = eval_demo.evaluate(model, tokenizer, examples, 0.95, 1, 192)[family]["correct"]
+        expected = evaluate(model, tokenizer, examples, 0.95, 1, 192)[family]["correct"]
         samples = results["samples"][f"clover_demo_{family}"]
         assert sum(int(sample["exact_match"]) for sample in samples) == expected, family
         for sample, example in zip(samples, examples, strict=True):  # lm-eval's reply, checked by eval_demo's rule

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_python
 
 from clover.cli_clover import replace_directory
-from clover.demo_tasks import FAMILIES, generate_examples
+from clover.demo.tasks import FAMILIES, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"

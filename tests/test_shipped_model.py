@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import filecmp
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -18,7 +17,8 @@ import torch
 from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-from clover.demo_tasks import FAMILIES, generate_examples
+from clover.demo.evaluation import evaluate, summarise
+from clover.demo.tasks import FAMILIES, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -64,6 +64,22 @@ HELD_OUT_SEED = 12345  # eval_demo.py's held-out problems: no training corpus us
 TARGET_EXACT_MATCH = 0.9  # in every family, at the default threshold (0.95)
 
 
+def held_out_result(model, tokenizer, per_family: int) -> dict:
+    """eval_demo.py's evaluation at 0.95 on its first `per_family` held-out problems of each family."""
+    examples = generate_examples(per_family * len(FAMILIES), seed=HELD_OUT_SEED)
+    stats = evaluate(model, tokenizer, examples, decoding=0.95, batch_size=20, max_new_tokens=192)
+    return summarise(stats)  # greedy, deterministic: a padded batch decodes as its rows alone
+
+
+def test_shipped_model_still_answers_most_held_out_problems_in_parallel(model, tokenizer):
+    """A cheap guard on 32 problems: the shipped weights answer most of them (28 of 32 measured, 7.8 tokens per
+    forward); a decoding regression drops this at once."""
+    result = held_out_result(model, tokenizer, per_family=8)
+    assert result["accuracy"]["all"] >= 0.8, result["accuracy"]
+    assert result["tokens_per_forward"] >= 3, result["tokens_per_forward"]
+
+
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,  # the targets missed, not the evaluation broken
@@ -72,12 +88,7 @@ TARGET_EXACT_MATCH = 0.9  # in every family, at the default threshold (0.95)
     "retrained model reaches them",
 )
 def test_shipped_model_answers_held_out_problems_right_at_three_tokens_per_forward(model, tokenizer):
-    spec = importlib.util.spec_from_file_location("clover_eval_demo", REPO / "scripts" / "eval_demo.py")
-    eval_demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eval_demo)
-    examples = generate_examples(50 * len(FAMILIES), seed=HELD_OUT_SEED)
-    stats = eval_demo.evaluate(model, tokenizer, examples, decoding=0.95, batch_size=20, max_new_tokens=192)
-    result = eval_demo.summarise(stats)  # greedy, deterministic: a padded batch decodes as its rows alone
+    result = held_out_result(model, tokenizer, per_family=50)
     accuracy = {family: result["accuracy"][family] for family in FAMILIES}
     assert min(accuracy.values()) >= TARGET_EXACT_MATCH, accuracy
     assert result["tokens_per_forward"] >= 3, result["tokens_per_forward"]

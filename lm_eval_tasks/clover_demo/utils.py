@@ -12,7 +12,7 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
-from clover.demo_tasks import FAMILIES, check_reply, generate_examples
+from clover.demo.tasks import FAMILIES, check_reply, generate_examples
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "clover-tiny-demo"
 SEED, PER_FAMILY = 12345, 50  # scripts/eval_demo.py's defaults

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .chat_clover import parse_reply
+from ..chat_clover import parse_reply
 
 __all__ = [
     "FAMILIES",
@@ -77,7 +77,7 @@ _PRETOKENIZE_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-_TEMPLATE_PATH = Path(__file__).resolve().parent / "tokenizer_config" / "chat_template.jinja"
+_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "tokenizer_config" / "chat_template.jinja"
 
 
 @dataclass
@@ -696,7 +696,7 @@ def encode_example(tokenizer, example: DemoExample, max_length: int) -> tuple[li
     evaluation share): with thinking on the prompt ends with ``<think>\\n`` and the answer is ``reasoning\\n
     </think>\\n\\ncontent<|im_end|>``; with thinking off the prompt ends with ``<think>\\n\\n</think>\\n\\n`` and the
     answer is ``content<|im_end|>``."""
-    from .training_clover import encode_chat_example
+    from ..training_clover import encode_chat_example
 
     encoded = encode_chat_example(tokenizer, example.to_record(), max_length)
     return encoded["prompt_ids"], encoded["answer_ids"]
