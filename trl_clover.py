@@ -9,7 +9,7 @@ supervised run of the labels as an answer in blocks; docs/DESIGN.md §7) instead
 * chat datasets (`"messages"`) are trained on the assistant replies only (`assistant_only_loss`): a whole
   conversation supervised would have Clover learn to write the user's turns as answers;
 * a `peft_config` without `target_modules` gets Clover's LoRA targets, the fused 3D experts included
-  (`training_clover.LORA_MODULES` / `LORA_EXPERT_PARAMETERS`);
+  (`trainer_clover.LORA_MODULES` / `LORA_EXPERT_PARAMETERS`);
 * packed or padding-free batches are refused: each answer must sit in blocks right after its own prompt;
 * so are a `compute_loss_func` and label smoothing, which would read logits the objective does not build.
 """
@@ -21,7 +21,7 @@ import dataclasses
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from .training_clover import LORA_EXPERT_PARAMETERS, LORA_MODULES
+from .trainer_clover import LORA_EXPERT_PARAMETERS, LORA_MODULES
 
 logger = logging.get_logger(__name__)
 

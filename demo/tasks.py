@@ -692,11 +692,11 @@ def _render(tokenizer, example: DemoExample, messages: list[dict], add_generatio
 
 
 def encode_example(tokenizer, example: DemoExample, max_length: int) -> tuple[list[int], list[int]]:
-    """(prompt_ids, answer_ids) of an example, by `training_clover.encode_chat_example` (the encoding training and
+    """(prompt_ids, answer_ids) of an example, by `chat_data_clover.encode_chat_example` (the encoding training and
     evaluation share): with thinking on the prompt ends with ``<think>\\n`` and the answer is ``reasoning\\n
     </think>\\n\\ncontent<|im_end|>``; with thinking off the prompt ends with ``<think>\\n\\n</think>\\n\\n`` and the
     answer is ``content<|im_end|>``."""
-    from ..training_clover import encode_chat_example
+    from ..chat_data_clover import encode_chat_example
 
     encoded = encode_chat_example(tokenizer, example.to_record(), max_length)
     return encoded["prompt_ids"], encoded["answer_ids"]

@@ -45,17 +45,10 @@ from transformers import (
     set_seed,
 )
 
+from clover.chat_data_clover import encode_chat_examples, read_chat_jsonl
 from clover.cli_clover import checkpoint_dir, replace_directory, run_main
-from clover.training_clover import (
-    CloverDataCollator,
-    CloverTrainer,
-    ExampleNoiseEpoch,
-    clover_lora_config,
-    encode_chat_examples,
-    number_examples,
-    read_chat_jsonl,
-    token_budget_batches,
-)
+from clover.trainer_clover import CloverTrainer, clover_lora_config
+from clover.training_clover import CloverDataCollator, ExampleNoiseEpoch, number_examples, token_budget_batches
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -37,9 +37,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
 
+from clover.chat_data_clover import encode_chat_examples, read_chat_jsonl
 from clover.cli_clover import replace_directory, run_main
+from clover.demo.base_model import CausalChatCollator
 from clover.demo.tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
-from clover.training_clover import CausalChatCollator, encode_chat_examples, read_chat_jsonl, token_budget_batches
+from clover.training_clover import token_budget_batches
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("data", "base", "convert", "adapt")

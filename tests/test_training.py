@@ -20,14 +20,10 @@ import torch.nn.functional as F
 from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
+from clover.chat_data_clover import encode_chat_example
 from clover.modeling_clover import CloverForBlockDiffusion, batch_from_labels, examples_from_labels
-from clover.training_clover import (
-    LORA_MODULES,
-    CloverDataCollator,
-    CloverTrainer,
-    decoding_state_noise,
-    encode_chat_example,
-)
+from clover.trainer_clover import LORA_MODULES, CloverTrainer, decoding_state_noise
+from clover.training_clover import CloverDataCollator
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = Path(os.environ.get("CLOVER_DEMO_MODEL", REPO / "models" / "clover-tiny-demo"))
@@ -347,7 +343,7 @@ def test_decoding_state_noise_share_zero_is_the_batch_and_a_bad_share_is_named(t
 
 
 def test_clover_trainer_trains_with_decoding_states(tiny_model, tmp_path, monkeypatch):
-    import clover.training_clover as training
+    import clover.trainer_clover as training
 
     calls = []
     real = training.decoding_state_noise
@@ -795,7 +791,7 @@ def test_the_templates_assistant_mask_is_the_answer_train_py_trains(demo_tokeniz
 
 
 def test_parallel_encoding_gives_the_sequential_encoding_in_order(demo_tokenizer):
-    from clover.training_clover import encode_chat_examples
+    from clover.chat_data_clover import encode_chat_examples
 
     records = [_repeat_record(WORDS[i % len(WORDS)] + " " * (i % 3)) for i in range(2400)]
     parallel = encode_chat_examples(demo_tokenizer, records, 1024, processes=2)
