@@ -373,6 +373,58 @@ class CloverGenerationMixin(GenerationMixin):
                 decoding.streamer.put_draft(canvas.cpu())
         return canvas, steps, forwards
 
+    def decode_step(
+        self,
+        input_ids: torch.LongTensor,
+        *,
+        state: CloverDecodingState,
+        commit_length: int = 0,
+        causal_tokens: int = 0,
+        positions_to_keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward on the committed cache (docs/DESIGN.md §5-6), eager or compiled: every decoding forward and
+        the prefill's prompt chunks run through here, the one place that builds a forward's positions and mask.
+
+        `input_ids` (batch, n) are the tokens right after the cache: a prompt chunk (all causal, all committed), one
+        block to denoise (or, with `commit_length = n`, to commit), or a finished block followed by the next block's
+        canvas, the first `commit_length` tokens entering the cache in the same forward. The first `causal_tokens`
+        tokens are causal context (prompt chunks, the causal forward of self-speculative decoding), the rest form
+        blocks of `block_size`. In an unpadded batch a forward of whole blocks attends with no mask at all (a block
+        sees the cache and itself; a finished block followed by a canvas runs as two unmasked attentions); an
+        all-causal forward is the causal model's. Returns the final hidden states (batch, n, hidden), for `lm_head`
+        to project where a token is still to be decided; the cache advances by `commit_length`. With
+        `positions_to_keep` (1-D, columns of `input_ids`) only those columns' states: the last layer runs only there.
+        """
+        cache, block_size = state.cache, self.config.block_size
+        num_tokens = input_ids.shape[1]
+        columns = torch.arange(num_tokens, device=input_ids.device)
+        # Positions count each row's real tokens: a left-padded row decodes as it would alone (its pads, masked,
+        # get positions below 0 that nothing reads).
+        offset = cache.length - state.prompt_length  # generated tokens already committed (a 0-d tensor when static)
+        position_ids = state.next_position + offset + columns
+        attention_mask = state.attention_mask if cache.static else state.attention_mask[:, : cache.length + num_tokens]
+        if causal_tokens == num_tokens:
+            block_ids = None  # a prompt chunk: the causal forward
+            attention_mask = attention_mask if state.padded or cache.static else None
+        elif causal_tokens == 0 and not cache.static and not state.padded:
+            attention_mask, block_ids = None, 0  # whole blocks, no padding: attention needs no mask
+        else:
+            block_ids = torch.where(columns < causal_tokens, -1, (columns - causal_tokens) // block_size)
+            block_ids = block_ids.expand_as(input_ids)
+        outputs = state.forward(
+            # Embedded here: ids the model wrote itself need no range check (a host sync per forward); the prompt's
+            # were checked by _prepare_prompt.
+            inputs_embeds=self.model.embed_tokens(input_ids),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            block_ids=block_ids,
+            commit_length=commit_length,
+            use_cache=True,
+            positions_to_keep=positions_to_keep,
+        )
+        return outputs.last_hidden_state
+
     def _canvas_states(self, inputs, state, keep, commit_length: int = 0) -> torch.Tensor:
         """The final hidden states (batch, block, hidden) of the canvas: the last `block_size` columns of `inputs`,
         after the `commit_length` tokens the forward commits. With `keep` (canvas columns) the last layer runs only
@@ -642,6 +694,12 @@ class CloverGenerationMixin(GenerationMixin):
                 "A prompt ends in padding: block diffusion appends after the last column, so pad on the left "
                 "(tokenizer.padding_side = 'left')."
             )
+        vocab_size = self.config.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+            raise ValueError(
+                f"input_ids contain ids outside the vocabulary [0, {vocab_size}) (min {int(input_ids.min())}, max "
+                f"{int(input_ids.max())}): encode the prompt with this model's tokenizer."
+            )
         if bool(((input_ids == config.mask_token_id) & attention_mask.bool()).any()):
             raise ValueError(
                 f"The prompt contains the mask token (id {config.mask_token_id}), which only marks positions still "
@@ -703,24 +761,21 @@ class CloverGenerationMixin(GenerationMixin):
         full_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, capacity)], dim=1)
         if config.compile:  # padded once to the buffer: every step of every prompt in the bucket has one mask shape
             full_mask = torch.nn.functional.pad(full_mask, (0, max_length - full_mask.shape[1]))
-        chunk_size = config.prefill_chunk_size
-        for start in range(0, prompt_length, chunk_size):
-            end = min(start + chunk_size, prompt_length)
-            self.model(
-                input_ids=input_ids[:, start:end],
-                attention_mask=full_mask if config.compile else attention_mask[:, :end],
-                past_key_values=cache,
-                use_cache=True,
-                positions_to_keep=_NOTHING.to(input_ids.device),  # only the cache reads a prompt chunk
-            )
-        return CloverDecodingState(
+        state = CloverDecodingState(
             cache=cache,
             attention_mask=full_mask,
             next_position=attention_mask.sum(-1, keepdim=True),
             prompt_length=prompt_length,
             padded=not bool(attention_mask.all()),
-            forward=self._compiled_forward() if config.compile else self.model,
+            forward=self.model,  # the prompt runs eager: a compiled step is traced for the decoding shapes only
         )
+        for start in range(0, prompt_length, config.prefill_chunk_size):
+            chunk = input_ids[:, start : start + config.prefill_chunk_size]
+            # Only the cache reads a prompt chunk: no output column is kept.
+            self.decode_step(chunk, state=state, commit_length=chunk.shape[1], causal_tokens=chunk.shape[1], positions_to_keep=_NOTHING.to(chunk.device))  # fmt: skip
+        if config.compile:
+            state.forward = self._compiled_forward()
+        return state
 
     def _compiled_forward(self):
         """The decoder's forward, compiled once per model (traced once per input length on a static cache)."""

@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig
-from .generation_clover import CloverDecodingState, CloverGenerationConfig, CloverGenerationMixin
+from .generation_clover import CloverGenerationConfig, CloverGenerationMixin
 from .quantization_clover import (
     EXPERT_PARAMETERS,
     FP32_STATISTICS,
@@ -1257,53 +1257,6 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             cache=outputs.cache,
             router_logits=outputs.router_logits,
         )
-
-    def decode_step(
-        self,
-        input_ids: torch.LongTensor,
-        *,
-        state: CloverDecodingState,
-        commit_length: int = 0,
-        causal_tokens: int = 0,
-        positions_to_keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One forward of decoding on the committed cache (docs/DESIGN.md §5-6), eager or compiled.
-
-        `input_ids` (batch, n) are the tokens right after the cache: one block to denoise (or, with `commit_length =
-        n`, to commit), or a finished block followed by the next block's canvas, the first `commit_length` tokens
-        entering the cache in the same forward. The first `causal_tokens` tokens are causal context (the causal
-        forward of self-speculative decoding), the rest form blocks of `block_size`. This is where a decoding
-        forward's mask is decided: in an unpadded batch a forward of whole blocks attends with no mask at all (a
-        block sees the cache and itself; a finished block followed by a canvas runs as two unmasked attentions).
-        Returns the final hidden states (batch, n, hidden), for `lm_head` to project where a token is still to be
-        decided; the cache advances by `commit_length`. With `positions_to_keep` (1-D, columns of `input_ids`) only
-        those columns' states: the last layer runs only there.
-        """
-        cache, block_size = state.cache, self.config.block_size
-        num_tokens = input_ids.shape[1]
-        columns = torch.arange(num_tokens, device=input_ids.device)
-        offset = cache.length - state.prompt_length  # generated tokens already committed (a 0-d tensor when static)
-        position_ids = state.next_position + offset + columns
-        if causal_tokens == 0 and not cache.static and not state.padded:
-            attention_mask, block_ids = None, 0  # whole blocks, no padding: attention needs no mask
-        else:
-            attention_mask = (
-                state.attention_mask if cache.static else state.attention_mask[:, : cache.length + num_tokens]
-            )
-            block_ids = torch.where(columns < causal_tokens, -1, (columns - causal_tokens) // block_size)
-            block_ids = block_ids.expand_as(input_ids)
-        outputs = state.forward(
-            # Embedded here: ids the model wrote itself need no range check (a host sync per forward).
-            inputs_embeds=self.model.embed_tokens(input_ids),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            block_ids=block_ids,
-            commit_length=commit_length,
-            use_cache=True,
-            positions_to_keep=positions_to_keep,
-        )
-        return outputs.last_hidden_state
 
     def _diffusion_loss(self, batch: dict, with_aux: bool, fused: bool) -> CloverOutput:
         """The training objective (docs/DESIGN.md §7): CE on the masked supervised tokens weighted 1/t (and by
