@@ -716,6 +716,28 @@ class CloverSparseMoeBlock(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CloverForwardContext:
+    """What every decoder layer of one forward reads besides the hidden states, built once by `CloverModel`.
+
+    Args:
+        position_embeddings: the rotary (cos, sin) of the forward's positions.
+        attention_mask: the full-attention layers' mask: a bool `(batch, 1, queries, keys)` tensor, a `WholeBlocks`
+            (whole unpadded blocks, kept implicit), or None (no mask at all).
+        padding_mask (`(batch, seq_len)`, 1 for real tokens): keeps padding out of the Gated DeltaNet scan and conv.
+        cache: the committed cache, or None.
+        commit_length: how many leading tokens of the forward enter the cache.
+        layout: where the noisy answer blocks of a training forward sit, else None.
+    """
+
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    attention_mask: torch.Tensor | WholeBlocks | None
+    padding_mask: torch.Tensor | None = None
+    cache: CloverCache | None = None
+    commit_length: int | torch.Tensor = 0
+    layout: TrainingLayout | None = None
+
+
 class CloverDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: CloverConfig, layer_idx: int):
         super().__init__()
@@ -731,12 +753,7 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-        cache: CloverCache | None = None,
-        commit_length: int = 0,
-        layout: TrainingLayout | None = None,
+        context: CloverForwardContext,
         positions_to_keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions_to_keep` (1-D): the columns whose output is wanted (the last layer of a decoding forward);
@@ -744,12 +761,14 @@ class CloverDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":  # the scan needs every column; its output is cut after
-            hidden_states = self.linear_attn(hidden_states, padding_mask, cache, commit_length, layout)
+            hidden_states = self.linear_attn(
+                hidden_states, context.padding_mask, context.cache, context.commit_length, context.layout
+            )
             if positions_to_keep is not None:
                 hidden_states = hidden_states[:, positions_to_keep]
         else:
             hidden_states = self.self_attn(
-                hidden_states, position_embeddings, attention_mask, cache, positions_to_keep
+                hidden_states, context.position_embeddings, context.attention_mask, context.cache, positions_to_keep
             )
         if positions_to_keep is not None:
             if positions_to_keep.numel() == 0:  # the cache has what it needs: nothing is left to compute
@@ -997,9 +1016,10 @@ class CloverModel(CloverPreTrainedModel):
         else:
             mask = self._block_mask(block_ids, attention_mask, past_key_values, batch_size, seq_len, columns.device)
 
-        hidden_states, all_router_logits = self._decoder_stack(
-            inputs_embeds, position_ids, mask, padding_mask, past_key_values, commit_length, layout, positions_to_keep
+        context = CloverForwardContext(
+            self.rotary_emb(inputs_embeds, position_ids), mask, padding_mask, past_key_values, commit_length, layout
         )
+        hidden_states, all_router_logits = self._decoder_stack(inputs_embeds, context, positions_to_keep)
         if past_key_values is not None:
             past_key_values.advance(commit_length)
         return CloverModelOutput(
@@ -1053,15 +1073,11 @@ class CloverModel(CloverPreTrainedModel):
             block_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long, device=device)
         return block_causal_mask(block_ids, attention_mask, past_length, cache.max_length if static else None)
 
-    def _decoder_stack(self, hidden_states, position_ids, mask, padding_mask, cache, commit_length, layout, keep):
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+    def _decoder_stack(self, hidden_states, context: CloverForwardContext, keep: torch.Tensor | None):
         all_router_logits = []
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            hidden_states, router_logits = layer(
-                hidden_states, position_embeddings, mask, padding_mask, cache, commit_length, layout,
-                keep if index == last else None,
-            )  # fmt: skip
+            hidden_states, router_logits = layer(hidden_states, context, keep if index == last else None)
             all_router_logits.append(router_logits)
         return self.norm(hidden_states), all_router_logits
 
