@@ -350,43 +350,6 @@ def training_batch():
     )  # fmt: skip
 
 
-def reference_diffusion_loss(model, input_ids, attention_mask, labels, block_ids, noise_mask, noise_level):
-    """Block by block on a cache: denoise the noisy block (CE / t on its masked tokens), then commit the clean one."""
-    prompt_len = int((block_ids[0] < 0).sum())
-    cache, _ = _prefill(model, input_ids, attention_mask, prompt_len)
-    total = torch.zeros(())
-    for start in range(prompt_len, input_ids.shape[1], BLOCK):
-        end = start + BLOCK
-        masked = noise_mask[:, start:end] & (labels[:, start:end] != -100)
-        noisy = input_ids[:, start:end].masked_fill(masked, MASK_ID)
-        logits = _forward_block(model, cache, noisy, attention_mask, end, use_cache=False)
-        token_loss = F.cross_entropy(logits[masked], labels[:, start:end][masked], reduction="none")
-        total = total + (token_loss / noise_level[:, start:end][masked]).sum()
-        _forward_block(model, cache, input_ids[:, start:end], attention_mask, end, use_cache=True)
-    return total / (labels != -100).sum()
-
-
-def test_training_loss_equals_a_per_block_reference_on_the_cache(tiny_model, training_batch):
-    with torch.no_grad():
-        loss = tiny_model(**training_batch).loss
-    expected = reference_diffusion_loss(tiny_model, **training_batch)
-    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_training_loss_decreases_with_adamw(tiny_model, training_batch):
-    tiny_model.train()
-    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(6):
-        loss = tiny_model(**training_batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < 0.7 * losses[0], losses
-
-
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable:FutureWarning")  # renamed in transformers 5.24
 def test_gradient_checkpointing_gives_the_same_loss_and_grads(tiny_model, training_batch):
     tiny_model.train()
