@@ -24,6 +24,7 @@ tail is noised like the answer, so a visible pad means what it means at inferenc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Sequence
@@ -110,14 +111,13 @@ class CloverDataCollator:
         examples = [(list(f["prompt_ids"]), list(f["answer_ids"])) for f in features]
         layout = block_diffusion_layout(examples, self.pad_token_id, bs, self.tail)
         labels, block_ids, tail_mask = layout["labels"], layout["block_ids"], layout.pop("tail_mask")
+        draw = functools.partial(draw_training_noise, suffix_prob=self.suffix_prob)
         if self.per_example_noise:
             generators = [self.example_generator(f["example_index"]) for f in features]
             lengths = [len(answer) for _, answer in examples]
-            noise_mask, noise_level = example_block_noise(layout, lengths, bs, generators, self.eps, self.suffix_prob)
+            noise_mask, noise_level = example_block_noise(layout, lengths, bs, generators, self.eps, draw)
         else:
-            noise_mask, noise_level = draw_block_noise(
-                labels != -100, block_ids, bs, self.next_generator(), self.eps, self.suffix_prob
-            )
+            noise_mask, noise_level = draw(labels != -100, block_ids, bs, self.next_generator(), self.eps)
         noise_mask |= tail_mask
         batch_out = layout | {"noise_mask": noise_mask, "noise_level": noise_level}
         if self.complementary:
@@ -127,6 +127,35 @@ class CloverDataCollator:
             batch_out["noise_mask"] = torch.cat([noise_mask, complement])
             batch_out["noise_level"] = torch.cat([noise_level, complement_level])
         return batch_out
+
+
+def draw_training_noise(
+    supervised: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    eps: float = 1e-3,
+    suffix_prob: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_block_noise`, and with `suffix_prob > 0` that share of the blocks masked as a suffix instead: the last
+    ceil(t * n) of the block's n supervised tokens, the clean prefix before them. Those are the states
+    left-to-right-ish decoding meets (LowConfidence commits mostly from the left), on which the uniform draw rarely
+    lands for long answers. With `suffix_prob=0` the draws are exactly those of the uniform noise alone."""
+    mask, level = draw_block_noise(supervised, block_ids, block_size, generator, eps)
+    if suffix_prob == 0:
+        return mask, level
+    batch_size, num_blocks = block_ids.shape[0], max(int(block_ids.max()) + 1, 1)
+    in_block, index = block_ids >= 0, block_ids.clamp(min=0)
+    # Each block's t, read back from the levels (outside the blocks the level is 1, never below a block's t).
+    t = torch.ones(batch_size, num_blocks, device=level.device).scatter_reduce(1, index, level, reduce="amin")
+    as_suffix = torch.rand(batch_size, num_blocks, generator=generator, device="cpu").to(level.device) < suffix_prob
+    scored = supervised & in_block
+    per_block = torch.zeros_like(t, dtype=torch.long).scatter_add_(1, index, scored.long())
+    # 1-based rank of each supervised token in its block (blocks are contiguous and in order along a row)
+    rank = scored.long().cumsum(1) - (per_block.cumsum(1) - per_block).gather(1, index)
+    kept = per_block - (t * per_block).ceil().long()  # the clean prefix: the first n - ceil(t * n) tokens
+    suffix = scored & (rank > kept.gather(1, index))
+    return torch.where(as_suffix.gather(1, index) & in_block, suffix, mask), level
 
 
 def number_examples(features: Sequence[dict], start: int = 0) -> list[dict]:
@@ -182,6 +211,7 @@ def unpack_batch(features: Sequence) -> Sequence[dict]:
 __all__ = [
     "CloverDataCollator",
     "ExampleNoiseEpoch",
+    "draw_training_noise",
     "number_examples",
     "token_budget_batches",
     "unpack_batch",

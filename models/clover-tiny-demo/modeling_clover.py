@@ -1348,17 +1348,9 @@ def draw_block_noise(
     block_size: int,
     generator: torch.Generator | None = None,
     eps: float = 1e-3,
-    suffix_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (row, block) a noise level t ~ U(eps, 1); each supervised token of the block is masked with probability
-    t.
-
-    With `suffix_prob > 0`, that share of the blocks is masked as a suffix instead: the last ceil(t * n) of the
-    block's n supervised tokens, the clean prefix before them. Those are the states left-to-right-ish decoding
-    meets (LowConfidence commits mostly from the left), on which the uniform draw rarely lands for long answers.
-    With `suffix_prob=0` the draws are exactly those of the uniform noise alone.
-
-    Returns: noise_mask bool (batch, seq), noise_level float (batch, seq) (the t of each token's block, 1 outside).
+    t. Returns: noise_mask bool (batch, seq), noise_level float (batch, seq) (the t of each token's block, 1 outside).
     """
     batch_size, seq_len = block_ids.shape
     device = block_ids.device
@@ -1367,20 +1359,7 @@ def draw_block_noise(
     in_block = block_ids >= 0
     level = torch.where(in_block, t.gather(1, block_ids.clamp(min=0)), torch.ones_like(t[:, :1]))
     draws = torch.rand(batch_size, seq_len, generator=generator, device="cpu").to(device)
-    mask = (draws < level) & supervised & in_block
-    if suffix_prob > 0:
-        as_suffix = torch.rand(batch_size, num_blocks, generator=generator, device="cpu").to(device) < suffix_prob
-        scored = supervised & in_block
-        index = block_ids.clamp(min=0)
-        per_block = torch.zeros(batch_size, num_blocks, dtype=torch.long, device=device).scatter_add_(
-            1, index, scored.long()
-        )
-        # 1-based rank of each supervised token in its block (blocks are contiguous and in order along a row)
-        rank = scored.long().cumsum(1) - (per_block.cumsum(1) - per_block).gather(1, index)
-        kept = per_block - (t * per_block).ceil().long()  # the clean prefix: the first n - ceil(t * n) tokens
-        suffix = scored & (rank > kept.gather(1, index))
-        mask = torch.where(as_suffix.gather(1, index) & in_block, suffix, mask)
-    return mask, level
+    return (draws < level) & supervised & in_block, level
 
 
 def block_diffusion_layout(
@@ -1436,19 +1415,18 @@ def example_block_noise(
     block_size: int,
     generators: list[torch.Generator | None],
     eps: float = 1e-3,
-    suffix_prob: float = 0.0,
+    draw=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`draw_block_noise` for each row of a `block_diffusion_layout` over its own answer blocks, from its own
-    generator: the same draws whatever the padding of the batch around it (columns past the row's last block stay
-    unmasked, at level 1)."""
+    """`draw_block_noise` (or `draw`, a function of the same arguments) for each row of a `block_diffusion_layout`
+    over its own answer blocks, from its own generator: the same draws whatever the padding of the batch around it
+    (columns past the row's last block stay unmasked, at level 1)."""
+    draw = draw or draw_block_noise
     supervised, block_ids = layout["labels"] != -100, layout["block_ids"]
     prompt_len = int((block_ids < 0).sum(-1).max())
     noise_mask, noise_level = torch.zeros_like(supervised), torch.ones(supervised.shape)
     for row, (length, generator) in enumerate(zip(answer_lengths, generators, strict=True)):
         span = slice(prompt_len, prompt_len + -(-length // block_size) * block_size)
-        mask, level = draw_block_noise(
-            supervised[row : row + 1, span], block_ids[row : row + 1, span], block_size, generator, eps, suffix_prob
-        )
+        mask, level = draw(supervised[row : row + 1, span], block_ids[row : row + 1, span], block_size, generator, eps)
         noise_mask[row, span], noise_level[row, span] = mask[0], level[0]
     return noise_mask, noise_level
 
