@@ -554,6 +554,11 @@ _TOOLS: tuple[_Tool, ...] = (
 )
 
 
+def demo_tool_schemas() -> list[dict]:
+    """The JSON schemas of every tool the demo model was trained to call (`apply_chat_template(tools=...)`)."""
+    return [tool.schema() for tool in _TOOLS]
+
+
 def _make_tool_call(rng: random.Random, enable_thinking: bool, level: DemoLevel) -> DemoExample:
     tool = rng.choice(_TOOLS)
     others = [t for t in _TOOLS if t is not tool]

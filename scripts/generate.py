@@ -2,19 +2,25 @@
 
     python scripts/generate.py "What is 4821 + 377?"
     python scripts/generate.py --model DIR --no-thinking --system "You are terse." "Sort 5, 3, 9."
+    python scripts/generate.py --demo-tools "What is the weather in Paris?"   # the demo model's tools
+    python scripts/generate.py --tools tools.json --strategy self_speculative "..."
     python scripts/generate.py --raw "Once upon a time"          # plain prompt, no chat template
 
-Thinking is shown apart from the answer; the last line gives new tokens, forwards, tokens per forward and tok/s.
+Thinking is shown apart from the answer (the chat template's default: on); the last line gives new tokens,
+forwards, tokens per forward and tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers.utils import logging as transformers_logging
 
 from clover.cli_clover import checkpoint_dir, run_main
 
@@ -25,9 +31,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default="What is 48213 + 9377?")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a Clover checkpoint directory")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: 256, or what the context leaves after the prompt"
+    )
     parser.add_argument("--threshold", type=float, default=0.95)
-    parser.add_argument("--no-thinking", action="store_true", help="enable_thinking=False in the chat template")
+    parser.add_argument(
+        "--strategy", choices=["low_confidence", "self_speculative"], default="low_confidence",
+        help="block diffusion, or drafts verified by the causal forward (its greedy output, exactly)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--thinking", action=argparse.BooleanOptionalAction, default=None,
+        help="enable_thinking in the chat template (default: the template's, on)",
+    )  # fmt: skip
+    parser.add_argument("--tools", type=Path, default=None, help="a JSON file with a list of tool schemas")
+    parser.add_argument("--demo-tools", action="store_true", help="offer the tools the demo model was trained on")
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     parser.add_argument("--do-sample", action="store_true")
@@ -36,23 +53,42 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class ThinkingStreamer(TextStreamer):
-    """Prints committed blocks as they come; the reasoning (before </think>) is dimmed and labelled."""
+    """Prints committed blocks as they come; the reasoning (before </think>) is labelled, and dimmed on a terminal."""
 
-    def __init__(self, tokenizer, thinking: bool):
+    def __init__(self, tokenizer, thinking: bool, styled: bool):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.in_thinking = thinking
+        self.dim, self.plain = ("\033[2m", "\033[0m") if styled else ("", "")
         if thinking:
-            print("\033[2m[thinking] ", end="", flush=True)
+            print(f"{self.dim}[thinking] ", end="", flush=True)
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if self.in_thinking and "</think>" in text:
             before, after = text.split("</think>", 1)
-            print(before.rstrip() + "\033[0m\n[answer] " + after.lstrip(), end="", flush=True)
+            print(before.rstrip() + f"{self.plain}\n[answer] " + after.lstrip(), end="", flush=True)
             self.in_thinking = False
         else:
             print(text, end="", flush=True)
         if stream_end:
-            print("\033[0m" if self.in_thinking else "", flush=True)
+            print(self.plain if self.in_thinking else "", flush=True)
+
+
+def read_tools(args) -> list[dict] | None:
+    if args.tools and args.demo_tools:
+        raise ValueError("Pass --tools FILE or --demo-tools, not both.")
+    if args.demo_tools:
+        from clover.demo.tasks import demo_tool_schemas
+
+        return demo_tool_schemas()
+    if args.tools is None:
+        return None
+    try:
+        tools = json.loads(args.tools.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--tools {args.tools}: not a readable JSON file ({error}).") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ValueError(f"--tools {args.tools}: expected a JSON list of tool schemas (objects).")
+    return tools
 
 
 def main(argv=None) -> None:
@@ -69,26 +105,34 @@ def main(argv=None) -> None:
             "diffusion. Pass a Clover checkpoint, or convert a Qwen3.5-MoE one first with python "
             "scripts/convert_qwen3_5_moe.py --input DIR --output CLOVER_DIR (then adapt it with scripts/train.py)."
         )
+    if args.strategy == "self_speculative" and args.do_sample:
+        raise ValueError("--strategy self_speculative reproduces greedy decoding: drop --do-sample.")
+    tools = read_tools(args)
     torch.set_grad_enabled(False)
+    transformers_logging.disable_progress_bar()  # no weight-loading bar before the answer
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, device_map="auto")
-    thinking = not args.no_thinking and not args.raw
+    thinking = args.thinking is not False and not args.raw
     if args.raw:
         text = args.prompt
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}
         ]
+        options = {} if args.thinking is None else {"enable_thinking": args.thinking}
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, enable_thinking=not args.no_thinking, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **options
         )
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    streamer = ThinkingStreamer(tokenizer, thinking)
+    room = model.config.max_position_embeddings - inputs["input_ids"].shape[1]
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else max(min(256, room), 1)
+    streamer = ThinkingStreamer(tokenizer, thinking, styled=sys.stdout.isatty())
     start = time.perf_counter()
     output = model.generate(
         **inputs,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         threshold=args.threshold,
+        strategy=args.strategy,
         do_sample=args.do_sample,
         temperature=args.temperature if args.do_sample else None,
         streamer=streamer,

@@ -27,6 +27,10 @@ CASES = {
         r"The prompt \(\d+ tokens\) and max_new_tokens \(16\) need \d+ tokens, \d+ over the context of 1024: "
         r"shorten the prompt by \d+ tokens\.$",
     ),
+    "generate.py: tools file": (
+        lambda tmp: ["hi", "--tools", str(a_file(tmp))],
+        r"--tools .*a-file: not a readable JSON file",
+    ),
     "generate.py: AR base": (
         lambda tmp: ["hi", "--model", str(REPO / "models" / "qwen3_5_moe-tiny-demo")],
         r"qwen3_5_moe-tiny-demo is a qwen3_5_moe_text checkpoint, not a Clover one: .* scripts/convert_qwen3_5_moe\.py",
@@ -364,3 +368,13 @@ def test_replace_directory_puts_the_old_output_back_when_the_swap_fails(tmp_path
         replace_directory(staging, output)
     assert (output / "config.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staging"]
+
+
+def test_generate_prints_plain_text_to_a_pipe_without_a_loading_bar(tmp_path):
+    """Piped (not a terminal): no ANSI styling, no weight-loading progress bar, the answer and the cost line."""
+    prompt = "Sort these numbers in ascending order: 42, 7, 19, 3, 88"
+    result = run_script("generate.py", "--no-thinking", "--strategy", "self_speculative", prompt, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "\x1b[" not in result.stdout and "Loading weights" not in result.stderr, (result.stdout, result.stderr)
+    assert result.stdout.splitlines()[0] == "3, 7, 19, 42, 88", result.stdout
+    assert re.fullmatch(r"-- \d+ new tokens, \d+ forwards, .* tok/s", result.stdout.splitlines()[-1])
