@@ -3,23 +3,8 @@
     python scripts/train_demo.py                      # every stage; rerun the same command to resume
     python scripts/train_demo.py --stages base        # one stage (the ones before it must be done)
 
-1. data:    the demo tokenizer and the chat corpus (JSONL, training seed 1; eval_demo.py holds out seed 12345),
-            with a warm-up set of smaller problems (`demo.tasks.LEVELS`) that the base starts on;
-2. base:    transformers' Qwen3_5MoeForCausalLM (Gated DeltaNet and gated attention, alternating), trained causally
-            on the answers with transformers.Trainer, warm-up first -> --base-output (a plain Qwen3.5-MoE
-            checkpoint: the AR model Clover is compared with);
-3. convert: scripts/convert_qwen3_5_moe.py turns the base into a Clover checkpoint;
-4. adapt:   scripts/train.py trains it with the block-diffusion objective (plus a causal next-token loss) ->
-            --output (the shipped Clover), with one learning-curve plot of both stages.
-
-Everything in progress lives in --work: the settings of the run (run.json), Trainer checkpoints of the two training
-stages (every --save-steps; an interrupted stage resumes from its newest one, optimizer, scheduler and data
-position included), and the converted checkpoint. The two outputs are written whole or not at all, and an output
-this run did not write is replaced only with --force. A finished base or adaptation rerun with a larger --base-steps
-or --adapt-steps goes on from its last checkpoint (after a longer base, convert and adapt are redone), and an
-adaptation rerun with other settings starts again from the converted base; either way the replaced stages'
-checkpoints and records are kept (adapt-before-base-N, adapt-N, run.json's "superseded").
-Other changed settings of a begun stage are refused: its checkpoints would not fit.
+The stages (data, base, convert, adapt), where a run keeps its work and how it resumes or extends: see
+`clover.demo.recipe`.
 """
 
 from __future__ import annotations
