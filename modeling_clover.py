@@ -1314,17 +1314,19 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         if with_aux:
             aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok)  # fmt: skip
             loss = loss + self.config.router_aux_loss_coef * aux_loss
-        output = CloverOutput(loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits)
+        fused_terms = {}
         if fused:
             with torch.no_grad():  # metrics only
                 probs = logits.softmax(-1)
-                entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)
-                hit = (logits.argmax(-1) == targets).float()
-            output.log_probs, output.label_mask = -contribution, label_weights
-            output.entropy, output.is_top1 = torch.zeros_like(contribution), torch.zeros_like(contribution)
-            output.entropy[:, answer_start:][scored] = entropy * weights.detach()
-            output.is_top1[:, answer_start:][scored] = hit * weights.detach()
-        return output
+                entropy, is_top1 = torch.zeros_like(contribution), torch.zeros_like(contribution)
+                entropy[:, answer_start:][scored] = -(probs * probs.clamp(min=1e-30).log()).sum(-1) * weights
+                is_top1[:, answer_start:][scored] = (logits.argmax(-1) == targets).float() * weights
+            fused_terms = {"log_probs": -contribution, "label_mask": label_weights, "entropy": entropy, "is_top1": is_top1}  # fmt: skip
+        # Every field given here, not set afterwards: a ModelOutput rebuilt from its items (accelerate's output
+        # conversion) keeps only what the constructor saw.
+        return CloverOutput(
+            loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits, **fused_terms
+        )
 
     def _causal_contribution(self, input_ids, attention_mask, labels, label_weights) -> torch.Tensor:
         """Next-token CE of the supervised tokens in a causal forward of the clean sequence (no block_ids: the
