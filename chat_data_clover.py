@@ -43,6 +43,15 @@ def read_chat_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
+def chat_prompt_text(tokenizer, record: dict) -> str:
+    """What `generate` is given for a chat record: the conversation before its last message, with the generation
+    prompt (the record's tools and thinking mode)."""
+    return tokenizer.apply_chat_template(
+        record["messages"][:-1], tools=record.get("tools"), add_generation_prompt=True,
+        enable_thinking=record.get("enable_thinking", True), tokenize=False,
+    )  # fmt: skip
+
+
 def encode_chat_example(tokenizer, record: dict, max_length: int) -> dict[str, list[int]]:
     """(prompt_ids, answer_ids) of a chat record, the one encoding training and evaluation share: the prompt is
     the conversation before the last assistant turn with the generation prompt (what `generate` is given); the
@@ -52,12 +61,11 @@ def encode_chat_example(tokenizer, record: dict, max_length: int) -> dict[str, l
     EOS."""
     line = record.get("_line", "?")
     if "messages" in record:
-        messages, tools = record["messages"], record.get("tools")
-        thinking = record.get("enable_thinking", True)
-        prompt_text = tokenizer.apply_chat_template(
-            messages[:-1], tools=tools, add_generation_prompt=True, enable_thinking=thinking, tokenize=False
-        )
-        full_text = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=thinking, tokenize=False)
+        prompt_text = chat_prompt_text(tokenizer, record)
+        full_text = tokenizer.apply_chat_template(
+            record["messages"], tools=record.get("tools"), enable_thinking=record.get("enable_thinking", True),
+            tokenize=False,
+        )  # fmt: skip
         if not full_text.startswith(prompt_text):
             raise ValueError(f"line {line}: the chat template renders the prompt differently inside the conversation.")
         full_text = full_text.rstrip("\n")  # the reply ends at its <|im_end|>, not at the newline after it
@@ -114,4 +122,4 @@ def _encode_in_worker(record: dict) -> dict:
     return encode_chat_example(tokenizer, record, max_length)
 
 
-__all__ = ["encode_chat_example", "encode_chat_examples", "read_chat_jsonl"]
+__all__ = ["chat_prompt_text", "encode_chat_example", "encode_chat_examples", "read_chat_jsonl"]

@@ -8,7 +8,8 @@ from collections import defaultdict
 
 import torch
 
-from .tasks import FAMILIES, check_reply, encode_example
+from ..chat_data_clover import chat_prompt_text
+from .tasks import FAMILIES, check_reply
 
 SELF_SPECULATIVE = "self_speculative"
 # Qwen3.5's recommended sampling for thinking mode, at the default threshold (--sample).
@@ -17,6 +18,8 @@ RECOMMENDED_SAMPLING = {"threshold": 0.95, "do_sample": True, "temperature": 0.6
 # The two kinds of addition: 2-3 digit operands answered at once (thinking off), 3-6 digits worked out column by
 # column (thinking on). Reported apart, not counted again in "all".
 ADDITION_KINDS = {False: "addition_direct", True: "addition_worked"}
+# Every family counted again by thinking mode (reported apart, not in "all").
+THINKING_MODES = {False: "thinking_off", True: "thinking_on"}
 
 
 def is_clover(model) -> bool:
@@ -28,7 +31,8 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
     """Greedy decoding of the examples (for Clover block diffusion at threshold `decoding`, or "self_speculative";
     else the model's own AR `generate`); per family: correct count, new tokens (through EOS), forwards. The
     additions are also counted apart by kind (`ADDITION_KINDS`)."""
-    encoded = [encode_example(tokenizer, e, model.config.max_position_embeddings)[0] for e in examples]
+    # The prompt alone: a reply is scored on its text, so the target's own rendering plays no part.
+    encoded = [tokenizer(chat_prompt_text(tokenizer, e.to_record()), add_special_tokens=False)["input_ids"] for e in examples]  # fmt: skip
     order = sorted(range(len(examples)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
     eos_ids = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
     stats = defaultdict(lambda: {"correct": 0, "total": 0, "new_tokens": 0, "forwards": 0})
@@ -43,8 +47,10 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
             stats[family]["correct"] += right
             stats[family]["new_tokens"] += int(forwards["new"][j])
             stats[family]["forwards"] += int(forwards["forwards"][j])
+            kinds = [THINKING_MODES[examples[i].enable_thinking]]
             if family == "addition":
-                kind = ADDITION_KINDS[examples[i].enable_thinking]
+                kinds.append(ADDITION_KINDS[examples[i].enable_thinking])
+            for kind in kinds:
                 stats[kind]["total"] += 1
                 stats[kind]["correct"] += right
     return dict(stats)

@@ -645,6 +645,28 @@ def generate_examples(
     return [make_example(family, rng, enable_thinking, level) for family in chosen]
 
 
+def read_problems(path: str | Path) -> list[DemoExample]:
+    """Problems written as `DemoExample.to_record()` lines (messages ending with the expected reply, family,
+    expected, enable_thinking, tools), e.g. requests worded apart from the generator (`demo/own_wordings.jsonl`)."""
+    examples = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("family") not in FAMILIES or "expected" not in record:
+            raise ValueError(f"{path}:{number}: a problem needs a family (one of {FAMILIES}) and an expected reply.")
+        examples.append(
+            DemoExample(
+                record["family"],
+                record["messages"],
+                record.get("tools"),
+                record.get("enable_thinking", True),
+                record["expected"],
+            )  # fmt: skip
+        )
+    return examples
+
+
 def write_chat_jsonl(examples: Sequence[DemoExample], path: str | Path) -> None:
     """Writes the examples as chat JSONL (one `DemoExample.to_record()` per line), atomically."""
     path = Path(path)

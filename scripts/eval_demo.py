@@ -4,6 +4,7 @@
     python scripts/eval_demo.py --model models/qwen3_5_moe-tiny-demo    # its autoregressive base, same problems
     python scripts/eval_demo.py --self-speculative                # and Clover's lossless self-speculative mode
     python scripts/eval_demo.py --sample                          # and Qwen's recommended sampling at 0.95
+    python scripts/eval_demo.py --problems demo/own_wordings.jsonl   # requests worded apart from the generator
     python scripts/eval_demo.py --model DIR --per-family 100 --output eval_results
 
 A Clover checkpoint is decoded by block diffusion at each threshold (and, with --self-speculative, by
@@ -25,8 +26,16 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover.cli_clover import checkpoint_dir, repository_label, run_main
-from clover.demo.evaluation import ADDITION_KINDS, SAMPLED, SELF_SPECULATIVE, evaluate, is_clover, summarise
-from clover.demo.tasks import FAMILIES, generate_examples
+from clover.demo.evaluation import (
+    ADDITION_KINDS,
+    SAMPLED,
+    SELF_SPECULATIVE,
+    THINKING_MODES,
+    evaluate,
+    is_clover,
+    summarise,
+)
+from clover.demo.tasks import FAMILIES, generate_examples, read_problems
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
@@ -50,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sample",
         action="store_true",
         help="also decode a Clover checkpoint at 0.95 with temperature 0.6, top_p 0.95, top_k 20 (seeded by --seed)",
+    )
+    parser.add_argument(
+        "--problems", default=None, help="a JSONL of problems to score instead of the generated ones (read_problems)"
     )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -96,7 +108,10 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
-    examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
+    if args.problems:
+        examples = read_problems(args.problems)
+    else:
+        examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     results = {}
     for flag, asked in (("--self-speculative", args.self_speculative), ("--sample", args.sample)):
         if asked and not is_clover(model):
@@ -119,19 +134,25 @@ def main(argv=None) -> None:
         accuracy = result["accuracy"]
         cells = " | ".join(f"{100 * accuracy[f]:8.1f}%" for f in FAMILIES)
         print(f"{decoding:>16} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
-    kinds = [kind for kind in ADDITION_KINDS.values() if kind in next(iter(results.values()))["counts"]]
-    if kinds:
-        print("additions by kind (direct: 2-3 digits, thinking off; worked: 3-6 digits, column by column):")
-        for decoding, result in results.items():
-            counts = result["counts"]
-            cells = ", ".join(f"{k.split('_')[1]} {counts[k]['correct']}/{counts[k]['total']}" for k in kinds)
-            print(f"{decoding:>16} | {cells}")
+    groups = {
+        "additions by kind (direct: 2-3 digits, thinking off; worked: 3-6 digits, column by column):": ADDITION_KINDS,
+        "every family by thinking mode:": THINKING_MODES,
+    }
+    for title, names in groups.items():
+        kinds = [kind for kind in names.values() if kind in next(iter(results.values()))["counts"]]
+        if kinds:
+            print(title)
+            for decoding, result in results.items():
+                counts = result["counts"]
+                cells = ", ".join(f"{k.split('_')[1]} {counts[k]['correct']}/{counts[k]['total']}" for k in kinds)
+                print(f"{decoding:>16} | {cells}")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": repository_label(args.model),
         "per_family": args.per_family,
         "seed": args.seed,
+        "problems": args.problems,  # a problem file, or None: the generated ones (seed, per_family)
         "results": results,
     }
     (output / "eval_demo.json").write_text(json.dumps(payload, indent=1))
