@@ -26,13 +26,12 @@ import torch
 from torch import nn
 
 from .configuration_clover import CloverConfig
-from .quantization_clover import UNQUANTIZED_MODULES
+from .quantization_clover import DEFAULT_SKIPPED, UNQUANTIZED_MODULES
 
 QUANTIZATIONS = ("none", "int8", "nf4")
 NF4_CODE_ENTRIES = 16  # the nf4 lookup table bitsandbytes stores with every quantized tensor (fp32)
 NESTED_BLOCKSIZE = 256  # double quantization: one fp32 absmax per 256 uint8 absmax values
 NESTED_CODE_ENTRIES = 256  # and the 8-bit dynamic code (fp32) of that second level
-DEFAULT_SKIP_MODULES = ("lm_head",)  # what transformers' bitsandbytes quantizer leaves alone by default
 GIB = 2**30
 
 # Usable memory of common cards (what torch.cuda.mem_get_info reports on an idle device, GiB).
@@ -142,7 +141,7 @@ def tensor_bytes(
     spec: CloverTensorSpec,
     dtype: torch.dtype = torch.bfloat16,
     quantization: str = "none",
-    skip_modules: Iterable[str] = DEFAULT_SKIP_MODULES,
+    skip_modules: Iterable[str] = DEFAULT_SKIPPED,
     quantize_experts: bool = True,
     blocksize: int = 64,
     double_quant: bool = False,

@@ -34,7 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig
-from .generation_clover import CloverGenerationConfig, CloverGenerationMixin
+from .generation_clover import CloverGenerationConfig, CloverGenerationMixin, check_token_ids
 from .quantization_clover import (
     EXPERT_PARAMETERS,
     FP32_STATISTICS,
@@ -813,9 +813,10 @@ def _previous_weights_set_aside(directory: Path):
 
 def _unreadable_safetensors(checkpoint, kwargs) -> Path | None:
     """The first .safetensors file of a local checkpoint directory that safetensors cannot open, if any."""
-    if checkpoint is None or not Path(checkpoint, kwargs.get("subfolder") or "").is_dir():
+    folder = None if checkpoint is None else Path(checkpoint, kwargs.get("subfolder") or "")
+    if folder is None or not folder.is_dir():
         return None
-    for path in sorted(Path(checkpoint, kwargs.get("subfolder") or "").glob("*.safetensors")):
+    for path in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(path, framework="pt"):  # the header must describe exactly the bytes that follow it
                 pass
@@ -869,7 +870,7 @@ class CloverPreTrainedModel(PreTrainedModel):
         super().post_init()
         # Before any state_dict (save_pretrained, PEFT, Trainer checkpoints): bitsandbytes' own inverse of its CPU
         # 4-bit repacking scrambles the statistics it saves.
-        self.register_state_dict_pre_hook(_unpack_cpu_4bit_layers_hook)
+        self._unpack_hook = self.register_state_dict_pre_hook(_unpack_cpu_4bit_layers_hook)
         if spec := load_time_spec(self.config):  # every CloverExperts quantizes its tensors as the loader assigns them
             self.config.experts_quantization = spec
 
@@ -1034,7 +1035,7 @@ class CloverModel(CloverPreTrainedModel):
         if inputs_embeds is not None:
             return inputs_embeds
         if not torch.compiler.is_compiling():
-            self._check_token_ids(input_ids)
+            check_token_ids(input_ids, self.config.vocab_size)
         return self.embed_tokens(input_ids)
 
     def _check_attention_mask(self, attention_mask, cache: CloverCache | None, seq_len: int) -> None:
@@ -1080,14 +1081,6 @@ class CloverModel(CloverPreTrainedModel):
             hidden_states, router_logits = layer(hidden_states, context, keep if index == last else None)
             all_router_logits.append(router_logits)
         return self.norm(hidden_states), all_router_logits
-
-    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
-        # One host sync per forward; an out-of-range id would otherwise index garbage or crash the device.
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"input_ids contain ids outside the vocabulary [0, {self.config.vocab_size}) (min "
-                f"{int(input_ids.min())}, max {int(input_ids.max())}): was the text encoded with another tokenizer?"
-            )
 
     def _training_layout(self, block_ids, noisy_input_ids: torch.Tensor) -> TrainingLayout:
         """The noisy copies cover the answer: the last `noisy_input_ids.shape[1]` columns, all in blocks."""
@@ -1158,6 +1151,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
     def __init__(self, config: CloverConfig):
         super().__init__(config)
         self.model = CloverModel(config)
+        self.model._unpack_hook.remove()  # this model's own hook covers the inner one: one walk per state_dict
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

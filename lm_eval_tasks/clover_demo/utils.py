@@ -12,6 +12,7 @@ from pathlib import Path
 import datasets
 from transformers import AutoTokenizer
 
+from clover.chat_data_clover import chat_prompt_text
 from clover.demo.tasks import FAMILIES, check_reply, generate_examples
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "clover-tiny-demo"
@@ -29,10 +30,7 @@ def _problems(per_family: int, seed: int, thinking: bool | None = None, families
 
 
 def _prompt(example) -> str:
-    return _tokenizer().apply_chat_template(
-        example.messages[:-1], tools=example.tools, add_generation_prompt=True,
-        enable_thinking=example.enable_thinking, tokenize=False,
-    )  # fmt: skip
+    return chat_prompt_text(_tokenizer(), example.to_record())
 
 
 def held_out_problems(family: str | None = None, per_family: int = PER_FAMILY, seed: int = SEED, **_):

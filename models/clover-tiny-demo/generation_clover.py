@@ -694,12 +694,7 @@ class CloverGenerationMixin(GenerationMixin):
                 "A prompt ends in padding: block diffusion appends after the last column, so pad on the left "
                 "(tokenizer.padding_side = 'left')."
             )
-        vocab_size = self.config.vocab_size
-        if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
-            raise ValueError(
-                f"input_ids contain ids outside the vocabulary [0, {vocab_size}) (min {int(input_ids.min())}, max "
-                f"{int(input_ids.max())}): encode the prompt with this model's tokenizer."
-            )
+        check_token_ids(input_ids, self.config.vocab_size)  # decoding forwards embed without checking
         if bool(((input_ids == config.mask_token_id) & attention_mask.bool()).any()):
             raise ValueError(
                 f"The prompt contains the mask token (id {config.mask_token_id}), which only marks positions still "
@@ -811,6 +806,15 @@ class CloverGenerationMixin(GenerationMixin):
                 pass
         if not isinstance(self.generation_config, CloverGenerationConfig):
             self.generation_config = CloverGenerationConfig.from_dict(self.generation_config.to_dict())
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """A ValueError for ids outside [0, vocab_size), which would index garbage or crash the device (a host sync)."""
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids contain ids outside the vocabulary [0, {vocab_size}) (min {int(input_ids.min())}, max "
+            f"{int(input_ids.max())}): was the text encoded with another tokenizer?"
+        )
 
 
 def _as_id_tensor(token_ids, device) -> torch.Tensor:
