@@ -130,7 +130,7 @@ def exact_replies(model, tokenizer, rows) -> tuple[int, float]:
 @pytest.mark.slow
 def test_a_lora_fine_tune_teaches_the_shipped_model_a_new_task(model, tokenizer, tmp_path):
     """150 steps of LoRA (rank 8, the experts included) on "repeat each word twice": held-out word pairs go from
-    none right to at least half right, decoded at 0.95 (measured: 0/16 -> 9/16 at 3.2 tokens per forward; 1,200
+    none right to at least half right, decoded at 0.95 (measured: 0/16 -> 9/16 at 3.4 tokens per forward; 1,200
     examples seen once). About 1 minute on 2 cores."""
     held_out = chats(16, seed=1)
     train = chats(1200, seed=2, exclude={tuple(row["messages"][0]["content"].split()[-2:]) for row in held_out})
