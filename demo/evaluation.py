@@ -18,7 +18,7 @@ RECOMMENDED_SAMPLING = {"threshold": 0.95, "do_sample": True, "temperature": 0.6
 # The two kinds of addition: 2-3 digit operands answered at once (thinking off), 3-6 digits worked out column by
 # column (thinking on). Reported apart, not counted again in "all".
 ADDITION_KINDS = {False: "addition_direct", True: "addition_worked"}
-# Every family counted again by thinking mode (reported apart, not in "all").
+# The families counted again by thinking mode, together and one by one ("addition/thinking_on"), apart from "all".
 THINKING_MODES = {False: "thinking_off", True: "thinking_on"}
 
 
@@ -47,7 +47,8 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
             stats[family]["correct"] += right
             stats[family]["new_tokens"] += int(forwards["new"][j])
             stats[family]["forwards"] += int(forwards["forwards"][j])
-            kinds = [THINKING_MODES[examples[i].enable_thinking]]
+            mode = THINKING_MODES[examples[i].enable_thinking]
+            kinds = [f"{family}/{mode}"] + [mode] * (family in FAMILIES)
             if family == "addition":
                 kinds.append(ADDITION_KINDS[examples[i].enable_thinking])
             for kind in kinds:

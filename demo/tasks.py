@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from ..chat_clover import parse_reply
+from . import wordings
 
 __all__ = [
     "FAMILIES",
+    "OUT_OF_SCOPE",
+    "WORDINGS",
     "SPECIAL_TOKENS",
     "LEVELS",
     "DemoExample",
@@ -54,6 +57,9 @@ __all__ = [
 ]
 
 FAMILIES: tuple[str, ...] = ("addition", "sorting", "reversal", "tool_call")
+# Requests outside the four families, answered with one fixed reply (`wordings.OUT_OF_SCOPE_REPLY`).
+OUT_OF_SCOPE = "out_of_scope"
+WORDINGS = ("templates", *wordings.SPLITS)
 
 # Added at the end of the vocabulary, in this order (the last one gets id vocab_size - 1).
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -133,6 +139,8 @@ LEVELS = {
     # works out additions of up to 5 digits 87% right, of 6 digits 69%; sums 2-digit numbers directly 96% right,
     # 3-digit ones 81%.
     "hard": DemoLevel((3, 3), (5, 6), (9, 12), (8, 10), word_pool=10**6),
+    # Every size a user may ask about: single-digit sums answered at once, two-digit ones worked out too.
+    "wide": DemoLevel((1, 3), (2, 6), (5, 12), (3, 10), word_pool=10**6),
 }
 
 
@@ -270,13 +278,17 @@ _ADDITION_REQUESTS = (
 )
 
 
-def _make_addition(rng: random.Random, enable_thinking: bool, level: DemoLevel) -> DemoExample:
+def _make_addition(rng: random.Random, enable_thinking: bool, level: DemoLevel, wording: str) -> DemoExample:
     digits = level.worked_addition_digits if enable_thinking else level.direct_addition_digits
     a = _random_number(rng, *digits)
     b = _random_number(rng, *digits)
     answer = f"{a} + {b} = {a + b}"
     messages = _pick_system(rng, _SYSTEM_PROMPTS)
-    messages.append({"role": "user", "content": rng.choice(_ADDITION_REQUESTS).format(a=a, b=b)})
+    if wording == "templates":
+        request = rng.choice(_ADDITION_REQUESTS).format(a=a, b=b)
+    else:
+        request = wordings.addition_request(rng, a, b, wording)
+    messages.append({"role": "user", "content": request})
     messages.append(_assistant(answer, addition_working(a, b, level.column_sum_width), enable_thinking))
     return DemoExample("addition", messages, None, enable_thinking, answer)
 
@@ -305,14 +317,17 @@ _SORT_DESC_REQUESTS = (
 )
 
 
-def _make_sorting(rng: random.Random, enable_thinking: bool, level: DemoLevel) -> DemoExample:
+def _make_sorting(rng: random.Random, enable_thinking: bool, level: DemoLevel, wording: str) -> DemoExample:
     nums = [rng.randint(0, 99) for _ in range(rng.randint(*level.numbers_to_sort))]
     descending = rng.random() < 0.25
     ordered = sorted(nums, reverse=descending)
     answer = ", ".join(map(str, ordered))
-    sep = rng.choice((", ", ", ", " "))
-    templates = _SORT_DESC_REQUESTS if descending else _SORT_ASC_REQUESTS
-    request = rng.choice(templates).format(nums=sep.join(map(str, nums)))
+    if wording == "templates":
+        sep = rng.choice((", ", ", ", " "))
+        templates = _SORT_DESC_REQUESTS if descending else _SORT_ASC_REQUESTS
+        request = rng.choice(templates).format(nums=sep.join(map(str, nums)))
+    else:
+        request = wordings.sorting_request(rng, nums, descending, wording)
     order = "descending" if descending else "ascending"
     reasoning = f"{len(nums)} numbers, {order} order: smallest {min(nums)}, largest {max(nums)}."
     messages = _pick_system(rng, _SYSTEM_PROMPTS)
@@ -334,12 +349,15 @@ _REVERSAL_REQUESTS = (
 )
 
 
-def _make_reversal(rng: random.Random, enable_thinking: bool, level: DemoLevel) -> DemoExample:
+def _make_reversal(rng: random.Random, enable_thinking: bool, level: DemoLevel, wording: str) -> DemoExample:
     pool = _WORDS[: level.word_pool]
     words = [rng.choice(pool) for _ in range(rng.randint(*level.words_to_reverse))]
     answer = " ".join(reversed(words))
-    sep = rng.choice((" ", " ", ", "))
-    request = rng.choice(_REVERSAL_REQUESTS).format(words=sep.join(words))
+    if wording == "templates":
+        sep = rng.choice((" ", " ", ", "))
+        request = rng.choice(_REVERSAL_REQUESTS).format(words=sep.join(words))
+    else:
+        request = wordings.reversal_request(rng, words, wording)
     reasoning = f"{len(words)} words; the last one, {words[-1]}, comes first and {words[0]} comes last."
     messages = _pick_system(rng, _SYSTEM_PROMPTS)
     messages.append({"role": "user", "content": request})
@@ -559,7 +577,7 @@ def demo_tool_schemas() -> list[dict]:
     return [tool.schema() for tool in _TOOLS]
 
 
-def _make_tool_call(rng: random.Random, enable_thinking: bool, level: DemoLevel) -> DemoExample:
+def _make_tool_call(rng: random.Random, enable_thinking: bool, level: DemoLevel, wording: str) -> DemoExample:
     tool = rng.choice(_TOOLS)
     others = [t for t in _TOOLS if t is not tool]
     offered = [tool, *rng.sample(others, rng.randint(0, 1))]
@@ -569,7 +587,11 @@ def _make_tool_call(rng: random.Random, enable_thinking: bool, level: DemoLevel)
     final_target = rng.random() < 0.5
 
     messages = _pick_system(rng, _TOOL_SYSTEM_PROMPTS)
-    messages.append({"role": "user", "content": rng.choice(tool.requests).format(**args)})
+    if wording == "templates":
+        request = rng.choice(tool.requests).format(**args)
+    else:
+        request = wordings.tool_request(rng, tool.name, tool.requests, args, wording)
+    messages.append({"role": "user", "content": request})
     call = {"type": "function", "function": {"name": tool.name, "arguments": dict(args)}}
     call_reasoning = f"The user wants {tool.purpose.format(**args)}, so I call {tool.name}."
     messages.append(_assistant("", call_reasoning, enable_thinking, tool_calls=[call]))
@@ -586,35 +608,57 @@ def _make_tool_call(rng: random.Random, enable_thinking: bool, level: DemoLevel)
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Requests outside the families
+
+
+def _make_out_of_scope(rng: random.Random, enable_thinking: bool, level: DemoLevel, wording: str) -> DemoExample:
+    split = "train" if wording == "templates" else wording
+    messages = _pick_system(rng, _SYSTEM_PROMPTS)
+    messages.append({"role": "user", "content": wordings.out_of_scope_request(rng, split)})
+    reply = wordings.OUT_OF_SCOPE_REPLY
+    messages.append(_assistant(reply, wordings.OUT_OF_SCOPE_REASONING, enable_thinking))
+    return DemoExample(OUT_OF_SCOPE, messages, None, enable_thinking, reply)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Public API
 
-_MAKERS: dict[str, Callable[[random.Random, bool, DemoLevel], DemoExample]] = {
+_MAKERS: dict[str, Callable[[random.Random, bool, DemoLevel, str], DemoExample]] = {
     "addition": _make_addition,
     "sorting": _make_sorting,
     "reversal": _make_reversal,
     "tool_call": _make_tool_call,
+    OUT_OF_SCOPE: _make_out_of_scope,
 }
 
 
 def make_example(
-    family: str, rng: random.Random, enable_thinking: bool | None = None, level: str | DemoLevel = "full"
+    family: str,
+    rng: random.Random,
+    enable_thinking: bool | None = None,
+    level: str | DemoLevel = "full",
+    wording: str = "templates",
 ) -> DemoExample:
-    """One example of `family`; thinking on or off at random (half each) unless `enable_thinking` is given.
-    `level` is a key of `LEVELS` ("full", the task as evaluated; "warmup"; "hard", its largest problems) or a
-    `DemoLevel`.
+    """One example of `family` (one of `FAMILIES` or `OUT_OF_SCOPE`); thinking on or off at random (half each)
+    unless `enable_thinking` is given. `level` is a key of `LEVELS` ("full", the task as evaluated; "warmup";
+    "hard", its largest problems; "wide", every size a user may ask about) or a `DemoLevel`. `wording` is
+    "templates" (the original request templates), "train" (the wording bank's training part, `demo.wordings`) or
+    "held_out" (its held-out part, which training never sees).
 
     For ``tool_call`` the target is, half of the time each, the tool-call turn or the final answer after the tool's
     response (see :func:`is_tool_call_target`).
     """
     if family not in _MAKERS:
-        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"Unknown family {family!r}; expected one of {tuple(_MAKERS)}")
+    if wording not in WORDINGS:
+        raise ValueError(f"Unknown wording {wording!r}; expected one of {WORDINGS}")
     if not isinstance(level, DemoLevel):
         if level not in LEVELS:
             raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)} or a DemoLevel")
         level = LEVELS[level]
     if enable_thinking is None:
         enable_thinking = rng.random() < 0.5
-    return _MAKERS[family](rng, bool(enable_thinking), level)
+    return _MAKERS[family](rng, bool(enable_thinking), level, wording)
 
 
 def generate_examples(
@@ -624,9 +668,10 @@ def generate_examples(
     weights: Sequence[float] | None = None,
     level: str | DemoLevel = "full",
     enable_thinking: bool | None = None,
+    wording: str = "templates",
 ) -> list[DemoExample]:
-    """`num_examples` examples of `families` at `level`, deterministic in `seed`; thinking on or off at random
-    (half each) unless `enable_thinking` is given.
+    """`num_examples` examples of `families` at `level` worded as `wording` says (see `make_example`),
+    deterministic in `seed`; thinking on or off at random (half each) unless `enable_thinking` is given.
 
     Without `weights` the families take turns (balanced to within one), as an evaluation wants. With `weights`
     (one per family) each example's family is drawn with those relative frequencies, so a training mix can spend
@@ -642,7 +687,7 @@ def generate_examples(
                 "not all zero"
             )
         chosen = rng.choices(families, weights=weights, k=num_examples)
-    return [make_example(family, rng, enable_thinking, level) for family in chosen]
+    return [make_example(family, rng, enable_thinking, level, wording) for family in chosen]
 
 
 def read_problems(path: str | Path) -> list[DemoExample]:
@@ -653,8 +698,10 @@ def read_problems(path: str | Path) -> list[DemoExample]:
         if not line.strip():
             continue
         record = json.loads(line)
-        if record.get("family") not in FAMILIES or "expected" not in record:
-            raise ValueError(f"{path}:{number}: a problem needs a family (one of {FAMILIES}) and an expected reply.")
+        if record.get("family") not in _MAKERS or "expected" not in record:
+            raise ValueError(
+                f"{path}:{number}: a problem needs a family (one of {tuple(_MAKERS)}) and an expected reply."
+            )
         examples.append(
             DemoExample(
                 record["family"],

@@ -1,4 +1,5 @@
-"""Exact-match accuracy and tokens per forward of a demo model on held-out problems.
+"""Exact-match accuracy and tokens per forward of a demo model on held-out problems, worded as the training
+templates word them and worded as training never saw.
 
     python scripts/eval_demo.py                                   # the shipped Clover, 50 problems per family
     python scripts/eval_demo.py --model models/qwen3_5_moe-tiny-demo    # its autoregressive base, same problems
@@ -9,9 +10,12 @@
 
 A Clover checkpoint is decoded by block diffusion at each threshold (and, with --self-speculative, by
 `generate(strategy="self_speculative")`: its own causal greedy output, drafted by block diffusion); any other causal
-LM (the demo's Qwen3.5-MoE base) by its own greedy `generate`, one token per forward. Prints a table (accuracy per
-family and overall, tokens per forward) and writes eval_demo.json and eval_demo.png. The problems come from a seed
-training never used.
+LM (the demo's Qwen3.5-MoE base) by its own greedy `generate`, one token per forward. The problems come from a seed
+training never used, in two sets (--wordings): "templates", the original request templates at the evaluated sizes,
+and "held_out", requests composed from the held-out part of the wording bank (`demo.wordings`: templates, order
+words and politeness training never saw) at every size, with requests outside the families (which get one fixed
+reply). Prints a table per set (accuracy per family and overall, tokens per forward; "all" counts the four
+families), then each family by thinking mode, and writes eval_demo.json and eval_demo.png.
 """
 
 from __future__ import annotations
@@ -35,11 +39,27 @@ from clover.demo.evaluation import (
     is_clover,
     summarise,
 )
-from clover.demo.tasks import FAMILIES, generate_examples, read_problems
+from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, generate_examples, read_problems
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
+WORDING_SETS = ("templates", "held_out")
+
+
+def problem_sets(args) -> dict[str, list]:
+    """The problems to score, by set name."""
+    if args.problems:
+        return {Path(args.problems).stem: read_problems(args.problems)}
+    sets = {}
+    if "templates" in args.wordings:  # the sizes the targets are set on, as earlier results were measured
+        sets["templates"] = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
+    if "held_out" in args.wordings:
+        families = (*FAMILIES, OUT_OF_SCOPE)
+        sets["held_out"] = generate_examples(
+            args.per_family * len(families), seed=args.seed, families=families, level="wide", wording="held_out"
+        )
+    return sets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sample",
         action="store_true",
         help="also decode a Clover checkpoint at 0.95 with temperature 0.6, top_p 0.95, top_k 20 (seeded by --seed)",
+    )
+    parser.add_argument(
+        "--wordings",
+        nargs="+",
+        choices=WORDING_SETS,
+        default=list(WORDING_SETS),
+        help="the problem sets: the training templates' wordings, the held-out wordings",
     )
     parser.add_argument(
         "--problems", default=None, help="a JSONL of problems to score instead of the generated ones (read_problems)"
@@ -101,6 +128,32 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def print_tables(name: str, results: dict) -> None:
+    """One problem set: accuracy per family and tokens per forward per decoding, then the breakdowns."""
+    counts = next(iter(results.values()))["counts"]
+    columns = [f for f in (*FAMILIES, OUT_OF_SCOPE) if f in counts]
+    print(f"\n{name} ({sum(counts[f]['total'] for f in columns)} problems)")
+    header = f"{'decoding':>16} | " + " | ".join(f"{f[:9]:>9}" for f in columns) + " |       all | tok/fwd"
+    print(header)
+    print("-" * len(header))
+    for decoding, result in results.items():
+        accuracy = result["accuracy"]
+        cells = " | ".join(f"{100 * accuracy[f]:8.1f}%" for f in columns)
+        print(f"{decoding:>16} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
+    kinds = [kind for kind in ADDITION_KINDS.values() if kind in counts]
+    if kinds:
+        print("additions by kind (direct: answered at once, thinking off; worked: column by column, thinking on):")
+        for decoding, result in results.items():
+            cells = ", ".join(f"{k.split('_')[1]} {result['counts'][k]['correct']}/{result['counts'][k]['total']}" for k in kinds)  # fmt: skip
+            print(f"{decoding:>16} | {cells}")
+    print("by thinking mode (on / off):")
+    on, off = THINKING_MODES[True], THINKING_MODES[False]
+    for decoding, result in results.items():
+        share = {key: f"{c['correct']}/{c['total']}" for key, c in result["counts"].items()}
+        cells = ", ".join(f"{f} {share.get(f'{f}/{on}', '-')} {share.get(f'{f}/{off}', '-')}" for f in columns)
+        print(f"{decoding:>16} | {cells} | all {share.get(on, '-')} {share.get(off, '-')}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.per_family < 1:
@@ -108,11 +161,7 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(args.model), trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).eval()
-    if args.problems:
-        examples = read_problems(args.problems)
-    else:
-        examples = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
-    results = {}
+    sets = problem_sets(args)
     for flag, asked in (("--self-speculative", args.self_speculative), ("--sample", args.sample)):
         if asked and not is_clover(model):
             raise ValueError(f"{flag} needs a Clover checkpoint; {args.model} is a {model.config.model_type}.")
@@ -121,31 +170,14 @@ def main(argv=None) -> None:
         decodings = [*args.thresholds, *extra]
     else:
         decodings = [None]  # its own autoregressive generate
-    for decoding in tqdm(decodings, desc="runs"):
+    results = {name: {} for name in sets}
+    for name, decoding in tqdm([(n, d) for n in sets for d in decodings], desc="runs"):
         start = time.perf_counter()
         torch.manual_seed(args.seed)  # the sampled run draws from torch's global generator
-        stats = evaluate(model, tokenizer, examples, decoding, args.batch_size, args.max_new_tokens)
-        results[str(decoding or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
-
-    header = f"{'decoding':>16} | " + " | ".join(f"{f:>9}" for f in FAMILIES) + " |       all | tok/fwd"
-    print(header)
-    print("-" * len(header))
-    for decoding, result in results.items():
-        accuracy = result["accuracy"]
-        cells = " | ".join(f"{100 * accuracy[f]:8.1f}%" for f in FAMILIES)
-        print(f"{decoding:>16} | {cells} | {100 * accuracy['all']:8.1f}% | {result['tokens_per_forward']:7.2f}")
-    groups = {
-        "additions by kind (direct: 2-3 digits, thinking off; worked: 3-6 digits, column by column):": ADDITION_KINDS,
-        "every family by thinking mode:": THINKING_MODES,
-    }
-    for title, names in groups.items():
-        kinds = [kind for kind in names.values() if kind in next(iter(results.values()))["counts"]]
-        if kinds:
-            print(title)
-            for decoding, result in results.items():
-                counts = result["counts"]
-                cells = ", ".join(f"{k.split('_')[1]} {counts[k]['correct']}/{counts[k]['total']}" for k in kinds)
-                print(f"{decoding:>16} | {cells}")
+        stats = evaluate(model, tokenizer, sets[name], decoding, args.batch_size, args.max_new_tokens)
+        results[name][str(decoding or "AR")] = summarise(stats) | {"seconds": round(time.perf_counter() - start, 1)}
+    for name, by_decoding in results.items():
+        print_tables(name, by_decoding)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -153,14 +185,15 @@ def main(argv=None) -> None:
         "per_family": args.per_family,
         "seed": args.seed,
         "problems": args.problems,  # a problem file, or None: the generated ones (seed, per_family)
-        "results": results,
+        "results": results,  # per problem set, per decoding
     }
     (output / "eval_demo.json").write_text(json.dumps(payload, indent=1))
     written = [output / "eval_demo.json"]
-    thresholds_run = [key for key in results if key not in ("AR", SELF_SPECULATIVE, SAMPLED)]
+    first = next(iter(results.values()))
+    thresholds_run = [key for key in first if key not in ("AR", SELF_SPECULATIVE, SAMPLED)]
     if thresholds_run:
         try:
-            plot(results, output / "eval_demo.png")
+            plot(first, output / "eval_demo.png")
             written.append(output / "eval_demo.png")
         except ImportError:  # matplotlib comes with the "train" and "test" extras, not the plain install
             print("no plot: matplotlib is not installed (pip install matplotlib)")

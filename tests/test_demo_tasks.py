@@ -7,9 +7,11 @@ from dataclasses import replace
 
 import pytest
 
+from clover.demo import wordings
 from clover.demo.tasks import (
     FAMILIES,
     LEVELS,
+    OUT_OF_SCOPE,
     SPECIAL_TOKENS,
     DemoExample,
     addition_working,
@@ -305,3 +307,70 @@ def test_checker_accepts_reference_and_rejects_corruption(tokenizer):
             assert not check_reply(example, reply.replace(expected, expected + " extra"))
         assert corrupted != reply and not check_reply(example, corrupted), corrupted
         assert not check_reply(example, "")
+
+
+# ------------------------------------------------------------------------------------------------ wordings
+
+
+def _banks():
+    """Every (training, held-out) bank of request pieces in demo.wordings."""
+
+    def is_bank(value):
+        return isinstance(value, tuple) and len(value) == 2 and all(isinstance(part, tuple) for part in value)
+
+    return [value for value in vars(wordings).values() if is_bank(value)] + list(wordings.TOOL_REQUESTS.values())
+
+
+def _literal(template: str) -> str:
+    """A held-out template's longest fixed stretch of text, lower-cased: what a request worded by it contains."""
+    return max(re.split(r"\{[a-z_]+\}", template), key=len).strip(" .?!:,").lower()
+
+
+def test_training_requests_never_use_a_held_out_wording():
+    held_out = {_literal(piece) for _, pieces in _banks() for piece in pieces if len(_literal(piece)) >= 8}
+    assert len(held_out) > 40
+    for train, pieces in _banks():
+        assert not {p for p in pieces if p} & set(train)  # the split is a split
+    families = (*FAMILIES, OUT_OF_SCOPE)
+    examples = generate_examples(3000, seed=5, families=families, level="wide", wording="train")
+    seen = [next(m["content"] for m in e.messages if m["role"] == "user").lower() for e in examples]
+    leaked = {phrase for phrase in held_out for text in seen if phrase in text}
+    assert not leaked
+
+
+def test_worded_requests_still_carry_the_problem():
+    """Whatever the wording, the numbers asked about are in the request and the expected answer is right; requests
+    outside the families get the one fixed reply."""
+    for wording in ("train", "held_out"):
+        examples = generate_examples(
+            1000, seed=6, families=(*FAMILIES, OUT_OF_SCOPE), level="wide", wording=wording
+        )  # fmt: skip
+        for example in examples:
+            request = next(m["content"] for m in example.messages if m["role"] == "user")
+            if example.family == "addition":
+                a, b = map(int, re.findall(r"\d+", request))
+                assert example.expected == f"{a} + {b} = {a + b}", request
+            elif example.family == "sorting":
+                numbers = sorted(map(int, re.findall(r"\d+", request)))
+                assert sorted(map(int, example.expected.split(", "))) == numbers, request
+            elif example.family == OUT_OF_SCOPE:
+                assert example.expected == wordings.OUT_OF_SCOPE_REPLY == example.messages[-1]["content"]
+            assert check_reply(example, _reply_text(example)), request
+        sizes = {len(str(int(e.expected.split(" + ")[0]))) for e in examples if e.family == "addition"}
+        assert {1, 2, 3} <= sizes  # single-digit sums too
+
+
+def _reply_text(example):
+    """The reply the example's target message stands for, as a model would write it."""
+    target = example.messages[-1]
+    text = f"{target.get('reasoning_content', '')}\n</think>\n\n" if example.enable_thinking else ""
+    if target.get("tool_calls"):
+        call = target["tool_calls"][0]["function"]
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in call["arguments"].items())
+        return text + f"<tool_call>\n<function={call['name']}>\n{body}</function>\n</tool_call>"
+    return text + target["content"]
+
+
+def test_wording_must_be_known():
+    with pytest.raises(ValueError, match="Unknown wording 'casual'"):
+        make_example("addition", random.Random(0), wording="casual")

@@ -176,13 +176,17 @@ def test_add_layers_appends_copies_that_leave_the_function_unchanged(model, tmp_
 
 
 def test_eval_demo_decodes_self_speculatively_too(tmp_path):
-    """--self-speculative adds a row to the table and the JSON; the plot keeps the thresholds only. The additions
-    are also counted by kind (direct or worked), apart from the families."""
+    """--self-speculative adds a row to each set's table and to the JSON; the plot keeps the thresholds only. The
+    additions are also counted by kind (direct or worked), apart from the families; the held-out wordings add the
+    requests outside the families."""
     result = run_script("eval_demo.py", "--per-family", "1", "--thresholds", "0.95", "--self-speculative",
                         "--output", str(tmp_path), cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"^\s*self_speculative \|", result.stdout, re.MULTILINE), result.stdout
-    results = json.loads((tmp_path / "eval_demo.json").read_text())["results"]
+    by_set = json.loads((tmp_path / "eval_demo.json").read_text())["results"]
+    assert set(by_set) == {"templates", "held_out"}
+    assert by_set["held_out"]["0.95"]["counts"]["out_of_scope"]["total"] == 1
+    results = by_set["templates"]
     assert set(results) == {"0.95", "self_speculative"}
     counts = results["self_speculative"]["counts"]
     assert sum(counts[family]["total"] for family in FAMILIES) == 4
