@@ -1,9 +1,13 @@
-"""The autoregressive base's batches (the first stage of the demo: next-token loss on the answers)."""
+"""The autoregressive base's batches and its fine-tuning (the first stage of the demo: next-token loss on the
+answers)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,4 +39,82 @@ class CausalChatCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-__all__ = ["CausalChatCollator"]
+def train_base(
+    model_dir: str | Path,
+    data: str | Path,
+    output: str | Path,
+    *,
+    eval_data: str | Path | None = None,
+    max_steps: int,
+    lr: float,
+    batch_tokens: int = 4096,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    save_steps: int = 150,
+    logging_steps: int = 25,
+) -> None:
+    """Fine-tunes an autoregressive checkpoint (the demo's Qwen3.5-MoE base) on a chat JSONL with next-token loss
+    on the answers, by transformers.Trainer: how the base learns what a Clover made from it learns, so the two stay
+    comparable. With `checkpoint_dir`, a rerun resumes from the newest Trainer checkpoint there. The output is
+    written whole or not at all (with the run's loss log in learning_curve.json)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    from ..chat_data_clover import encode_chat_examples, read_chat_jsonl
+    from ..cli_clover import replace_directory
+    from ..training_clover import token_budget_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    max_length = model.config.max_position_embeddings
+
+    def batches(path, batch_seed):
+        return token_budget_batches(encode_chat_examples(tokenizer, read_chat_jsonl(path), max_length), batch_tokens, batch_seed)  # fmt: skip
+
+    train = batches(data, seed)
+    epoch = 1
+    while len(train) < max_steps:  # reshuffled as often as the steps need
+        train += batches(data, seed + epoch)
+        epoch += 1
+    checkpoints = Path(checkpoint_dir or Path(output).with_name(f".{Path(output).name}.checkpoints"))
+    found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    arguments = TrainingArguments(
+        output_dir=str(checkpoints),
+        max_steps=max_steps,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, max_steps // 50),
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        per_device_train_batch_size=1,  # each item is a token-budget batch
+        per_device_eval_batch_size=1,
+        eval_strategy="steps" if eval_data else "no",
+        eval_steps=save_steps,
+        logging_steps=logging_steps,
+        save_strategy="steps",
+        save_steps=save_steps,
+        save_total_limit=2,
+        report_to=[],
+        seed=seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_pin_memory=False,
+        train_sampling_strategy="sequential",
+    )
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=train,
+        eval_dataset=batches(eval_data, seed) if eval_data else None,
+        data_collator=CausalChatCollator(tokenizer.pad_token_id),
+    )
+    trainer.train(resume_from_checkpoint=str(found[-1]) if found else None)
+    output = Path(output)
+    staging = output.with_name(f".{output.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    (staging / "learning_curve.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    replace_directory(staging, output)
+
+
+__all__ = ["CausalChatCollator", "train_base"]
