@@ -106,6 +106,8 @@ def train_base(
         eval_dataset=batches(eval_data, seed) if eval_data else None,
         data_collator=CausalChatCollator(tokenizer.pad_token_id),
     )
+    if found:
+        print(f"resuming from {found[-1]}")
     trainer.train(resume_from_checkpoint=str(found[-1]) if found else None)
     output = Path(output)
     staging = output.with_name(f".{output.name}.staging")

@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=None, help="Trainer checkpoints; a rerun resumes from the newest")
     parser.add_argument("--save-steps", type=int, default=150)
+    parser.add_argument("--logging-steps", type=int, default=25)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return parser.parse_args(argv)
 
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     train_base(
         args.model, args.data, args.output, eval_data=args.eval_data, max_steps=args.max_steps, lr=args.lr,
-        batch_tokens=args.batch_tokens, seed=args.seed, checkpoint_dir=args.checkpoint_dir, save_steps=args.save_steps,
+        batch_tokens=args.batch_tokens, seed=args.seed, checkpoint_dir=args.checkpoint_dir, save_steps=args.save_steps, logging_steps=args.logging_steps,
     )  # fmt: skip
     print(f"saved {args.output}")
 
