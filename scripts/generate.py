@@ -5,6 +5,7 @@
     python scripts/generate.py --demo-tools "What is the weather in Paris?"   # the demo model's tools
     python scripts/generate.py --tools tools.json --strategy self_speculative "..."
     python scripts/generate.py --raw "Once upon a time"          # plain prompt, no chat template
+    python scripts/generate.py --gguf clover.gguf "Sort 5, 3, 9."   # on llama.cpp (scripts/export_gguf.py)
 
 Thinking is shown apart from the answer (the chat template's default: on); the last line gives new tokens,
 forwards, tokens per forward and tok/s.
@@ -31,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default="What is 48213 + 9377?")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a Clover checkpoint directory")
+    parser.add_argument("--gguf", default=None, help="decode this GGUF file on llama.cpp instead (docs/llama_cpp.md)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=None, help="default: 256, or what the context leaves after the prompt"
     )
@@ -97,6 +99,10 @@ def main(argv=None) -> None:
         raise ValueError(
             'The prompt is empty: pass the text to answer, e.g. python scripts/generate.py "What is 2 + 2?"'
         )
+    if args.strategy == "self_speculative" and args.do_sample:
+        raise ValueError("--strategy self_speculative reproduces greedy decoding: drop --do-sample.")
+    if args.gguf:
+        return generate_gguf(args, read_tools(args))
     checkpoint_dir(args.model)
     model_type = AutoConfig.from_pretrained(args.model, trust_remote_code=True).model_type
     if model_type != "clover":
@@ -105,8 +111,6 @@ def main(argv=None) -> None:
             "diffusion. Pass a Clover checkpoint, or convert a Qwen3.5-MoE one first with python "
             "scripts/convert_qwen3_5_moe.py --input DIR --output CLOVER_DIR (then adapt it with scripts/train.py)."
         )
-    if args.strategy == "self_speculative" and args.do_sample:
-        raise ValueError("--strategy self_speculative reproduces greedy decoding: drop --do-sample.")
     tools = read_tools(args)
     torch.set_grad_enabled(False)
     transformers_logging.disable_progress_bar()  # no weight-loading bar before the answer
@@ -144,6 +148,39 @@ def main(argv=None) -> None:
     print(
         f"-- {new_tokens} new tokens, {forwards} forwards, {new_tokens / max(forwards, 1):.2f} tokens/forward, "
         f"{new_tokens / seconds:.1f} tok/s"
+    )
+
+
+def generate_gguf(args, tools) -> None:
+    """The same chat on llama.cpp: the file's own tokenizer and chat template, Clover's decoding rule."""
+    from clover.llama_cpp_clover import LlamaCppClover
+
+    model = LlamaCppClover(args.gguf, n_ctx=8192)
+    if args.raw:
+        text = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        options = {} if args.thinking is None else {"enable_thinking": args.thinking}
+        text = model.apply_chat_template(messages, tools=tools, **options)
+    ids = model.tokenize(text)
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 256
+    streamer = ThinkingStreamer(None, args.thinking is not False and not args.raw, styled=sys.stdout.isatty())
+
+    def stream(tokens):
+        streamer.on_finalized_text(model.detokenize(tokens))
+
+    start = time.perf_counter()
+    output = model.generate(
+        ids, max_new_tokens=max_new_tokens, threshold=args.threshold, strategy=args.strategy,
+        do_sample=args.do_sample, temperature=args.temperature if args.do_sample else None, streamer=stream,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    streamer.on_finalized_text("", stream_end=True)
+    print(
+        f"-- {output.num_new_tokens} new tokens, {output.num_forward_passes} forwards, "
+        f"{output.tokens_per_forward:.2f} tokens/forward, {output.num_new_tokens / seconds:.1f} tok/s"
     )
 
 
