@@ -2,6 +2,7 @@
 fresh Python process in which the `clover` package cannot be imported loads it through AutoConfig, AutoModel and
 AutoModelForCausalLM, generates with it, and saves it again bit-exactly."""
 
+import ast
 import json
 import os
 import re
@@ -134,6 +135,26 @@ def test_remote_model_generates_what_the_package_model_generates(saved, remote):
     result, _ = remote
     assert len(result["generated"][0]) == len(PROMPT[0]) + MAX_NEW_TOKENS
     assert result["generated"] == expected
+
+
+def _package_imports(path: Path) -> dict[str, set[str]]:
+    """The package modules a file imports (relative imports), each with the names it takes from it."""
+    imports: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            imports.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    return imports
+
+
+def test_the_carried_files_import_only_each_other_and_the_model_only_the_mixin_from_generation():
+    """DESIGN.md §0: a checkpoint's code files run without the package; the model inherits `generate` from
+    `CloverGenerationMixin` and takes nothing else from generation, which never imports modeling (no cycle)."""
+    carried = {name.removesuffix(".py") for name in CODE_FILES}
+    imports = {name.removesuffix(".py"): _package_imports(REPO / name) for name in CODE_FILES}
+    for module, imported in imports.items():
+        assert set(imported) <= carried, (module, sorted(set(imported) - carried))
+    assert imports["modeling_clover"]["generation_clover"] == {"CloverGenerationMixin"}
+    assert "modeling_clover" not in imports["generation_clover"]
 
 
 def _weight_files(directory: Path) -> list[str]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    import torch
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -229,6 +234,16 @@ class CloverConfig(PretrainedConfig):
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope_parameters["partial_rotary_factor"])
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """A ValueError for ids outside [0, vocab_size), which would index garbage or crash the device (a host sync).
+    Here, beside the vocabulary it checks against, so that the model's embedding and `generate` share it."""
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"input_ids contain ids outside the vocabulary [0, {vocab_size}) (min {int(input_ids.min())}, max "
+            f"{int(input_ids.max())}): was the text encoded with another tokenizer?"
+        )
 
 
 _AUTO_MAP = {

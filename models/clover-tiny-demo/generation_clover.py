@@ -29,6 +29,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import ModelOutput, logging
 
 from .cache_clover import CloverCache
+from .configuration_clover import check_token_ids
 
 # The decode loops, by `CloverGenerationConfig.strategy`.
 STRATEGIES = {"low_confidence": "_decode_low_confidence", "self_speculative": "_decode_self_speculative"}
@@ -792,6 +793,12 @@ class CloverGenerationMixin(GenerationMixin):
 
     # ---- loading -------------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _default_generation_config(model_config) -> CloverGenerationConfig:
+        """The generation config a new model starts with (the model's `__init__` sets it; transformers' own is a
+        plain `GenerationConfig`): the defaults of `CloverGenerationConfig` with the model's block size and mask."""
+        return CloverGenerationConfig.from_model_config(model_config)
+
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):  # fmt: skip
         """The stock loader reads generation_config.json into a plain GenerationConfig (which can drop our fields);
         read it as a CloverGenerationConfig instead."""
@@ -806,15 +813,6 @@ class CloverGenerationMixin(GenerationMixin):
                 pass
         if not isinstance(self.generation_config, CloverGenerationConfig):
             self.generation_config = CloverGenerationConfig.from_dict(self.generation_config.to_dict())
-
-
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """A ValueError for ids outside [0, vocab_size), which would index garbage or crash the device (a host sync)."""
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(
-            f"input_ids contain ids outside the vocabulary [0, {vocab_size}) (min {int(input_ids.min())}, max "
-            f"{int(input_ids.max())}): was the text encoded with another tokenizer?"
-        )
 
 
 def _as_id_tensor(token_ids, device) -> torch.Tensor:

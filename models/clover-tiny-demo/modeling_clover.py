@@ -33,8 +33,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput, logging
 
 from .cache_clover import CloverCache
-from .configuration_clover import CloverConfig
-from .generation_clover import CloverGenerationConfig, CloverGenerationMixin, check_token_ids
+from .configuration_clover import CloverConfig, check_token_ids
+from .generation_clover import CloverGenerationMixin
 from .quantization_clover import (
     EXPERT_PARAMETERS,
     FP32_STATISTICS,
@@ -1155,7 +1155,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        self.generation_config = CloverGenerationConfig.from_model_config(config)
+        self.generation_config = self._default_generation_config(config)
 
     def __setattr__(self, name, value):
         # TRL's trainers replace `forward` by a fused head that scores next-token labels on the causal path: Clover
