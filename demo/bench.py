@@ -32,6 +32,13 @@ PROMPT_LENGTHS = (128, 512, 2048, 8192)
 BENCH_SEED = 4242
 AR_BASE = "AR base"
 AR_ONE_THREAD = f"{AR_BASE}, 1 thread"
+# The rows decoded on llama.cpp (llama_cpp_clover) from a GGUF export of the same Clover: name -> strategy.
+LLAMA_CPP_AR = "llama.cpp AR (same GGUF)"
+LLAMA_CPP_DECODERS = {
+    LLAMA_CPP_AR: "autoregressive",
+    "llama.cpp Clover 0.95": "low_confidence",
+    "llama.cpp Clover self-speculative": "self_speculative",
+}
 
 
 @torch.no_grad()
@@ -46,16 +53,20 @@ def run_bench(
     prompt_lengths=PROMPT_LENGTHS,
     steps: int = 10,
     slice_35b: bool = True,
+    llama_cpp: str | None = None,
 ) -> dict:
     """Benchmarks the Clover checkpoint `model` against its autoregressive base `base` on `per_family` held-out
     problems per task family; prints the tables, writes bench.json and bench.png to `output` and returns the report.
+    With `llama_cpp` (a GGUF type, e.g. "f32"), the model is also exported and decoded on llama.cpp, on the same
+    problems in the same run: llama.cpp's own AR decoding of that file, block diffusion at 0.95, self-speculative.
     """
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(model), trust_remote_code=True)
     clover = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True).eval()
     ar_base = AutoModelForCausalLM.from_pretrained(checkpoint_dir(base, "--base")).eval()
     examples = generate_examples(per_family * len(FAMILIES), seed=BENCH_SEED)
 
-    decoding = decode_runs(clover, ar_base, tokenizer, examples, thresholds, draft_steps, max_new_tokens)
+    with llama_cpp_model(model, llama_cpp) as llama:
+        decoding = decode_runs(clover, ar_base, tokenizer, examples, thresholds, draft_steps, max_new_tokens, llama)
     profiles = {"shipped model": step_profile(clover)}
     if slice_35b:
         profiles["35B shape, 2-layer slice (bf16)"] = step_profile(slice_of_35b(), steps=2)
@@ -76,6 +87,8 @@ def run_bench(
         "undecided_per_forward": schedule,
         "speed_reference": fastest_ar(decoding),
     }
+    if llama_cpp:
+        report["llama_cpp_type"] = llama_cpp
     print_report(report, prompt_lengths, clover.config.block_size)
     write_report(report, Path(output))
     return report
@@ -106,6 +119,14 @@ def print_report(report: dict, prompt_lengths, block_size: int) -> None:
         f"{report['step_ratio_longest_to_shortest']:.2f}, mean step "
         f"{report['block_step_ratio_longest_to_shortest']:.2f} (target <= 1.5)"
     )
+    if LLAMA_CPP_AR in decoding:
+        ar_cpp = decoding[LLAMA_CPP_AR]
+        ratios = ", ".join(
+            f"{name[len('llama.cpp ') :]} {decoding[name]['tok_per_s'] / ar_cpp['tok_per_s']:.2f}x"
+            for name in LLAMA_CPP_DECODERS
+            if name != LLAMA_CPP_AR
+        )
+        print(f"on llama.cpp ({report['llama_cpp_type']} GGUF), against its own AR decoding of the file: {ratios}")
     main_run = decoding.get("Clover 0.95")
     if main_run:
         print(
@@ -144,8 +165,30 @@ class ForwardTimer:
 # ---- 1. decoding at equal accuracy --------------------------------------------------------------------------------
 
 
-def decode_runs(clover, base, tokenizer, examples, thresholds, draft_steps, max_new_tokens: int) -> dict:
-    """Every decoder on every problem, batch 1: per decoder tokens, seconds, forwards and exact matches.
+@contextlib.contextmanager
+def llama_cpp_model(model: str, gguf_type: str | None):
+    """The checkpoint exported to a temporary GGUF of `gguf_type` and loaded on llama.cpp at torch's thread count
+    (None when `gguf_type` is None)."""
+    if gguf_type is None:
+        yield None
+        return
+    import tempfile
+
+    from ..gguf_clover import export_gguf
+    from ..llama_cpp_clover import LlamaCppClover
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = export_gguf(model, Path(folder) / f"model.{gguf_type}.gguf", gguf_type)
+        llama = LlamaCppClover(path, n_threads=torch.get_num_threads())
+        try:
+            yield llama
+        finally:
+            llama.close()
+
+
+def decode_runs(clover, base, tokenizer, examples, thresholds, draft_steps, max_new_tokens: int, llama=None) -> dict:
+    """Every decoder on every problem, batch 1: per decoder tokens, seconds, forwards and exact matches (with
+    `llama`, a `LlamaCppClover`, also the llama.cpp decoders).
 
     The decoders take turns on each problem, so a slower or faster spell of a shared machine falls on all of them
     alike and the speed ratios between them hold (run one decoder after another and the ratio moves with the
@@ -158,6 +201,8 @@ def decode_runs(clover, base, tokenizer, examples, thresholds, draft_steps, max_
     decoders["Clover self-speculative"] = {"strategy": "self_speculative"}
     for steps in draft_steps:  # drafts capped at this many denoising steps: cheaper, the same tokens
         decoders[f"Clover self-speculative, <= {steps} draft steps"] = {"strategy": "self_speculative", "max_steps_per_block": steps}  # fmt: skip
+    if llama is not None:
+        decoders |= {name: {"llama_cpp": strategy} for name, strategy in LLAMA_CPP_DECODERS.items()}
     eos_ids = torch.tensor(clover.generation_config.eos_token_id).reshape(-1)
     # The network's time: the trunk and the lm_head projection `generate` runs on the undecided positions.
     trunk, head = ForwardTimer(clover.model), ForwardTimer(clover.lm_head)
@@ -175,6 +220,13 @@ def decode_runs(clover, base, tokenizer, examples, thresholds, draft_steps, max_
                 is_eos = torch.isin(new, eos_ids)
                 new_tokens = int(is_eos.float().argmax()) + 1 if bool(is_eos.any()) else len(new)
                 forwards, blocks, steps = new_tokens, 0, 0
+            elif "llama_cpp" in settings:  # greedy, the file's threshold (0.95)
+                llama.generate(ids[0].tolist(), max_new_tokens=4, strategy=settings["llama_cpp"])  # warm-up
+                start = time.perf_counter()
+                out = llama.generate(ids[0].tolist(), max_new_tokens=max_new_tokens, strategy=settings["llama_cpp"])
+                seconds = time.perf_counter() - start
+                new, new_tokens, forwards = torch.tensor(out.tokens), out.num_new_tokens, out.num_forward_passes
+                blocks, steps = len(out.steps_per_block), sum(out.steps_per_block)
             else:
                 clover.generate(ids, max_new_tokens=4, **settings)  # warm-up
                 trunk.seconds = head.seconds = 0.0

@@ -15,6 +15,9 @@
 3. Time per denoising step against prompt length (128 to 8192 tokens); loop overhead (generate's wall time over the
    time inside the network: the trunk's forwards and the lm_head projections; over the trunk alone, too); forwards
    per block against denoising steps per block.
+4. With --llama-cpp TYPE: the same Clover exported to a GGUF of that type (scripts/export_gguf.py) and decoded on
+   llama.cpp in the same run, on the same problems: llama.cpp's own AR decoding of that file, block diffusion at
+   0.95, self-speculative (llama_cpp_clover); their speed against that AR decoding.
 Prints the tables, writes bench.json and bench.png (exact match against tokens/s, the AR base as a point).
 """
 
@@ -48,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=list(PROMPT_LENGTHS))
     parser.add_argument("--steps", type=int, default=10, help="timed denoising steps per prompt length")
     parser.add_argument("--no-35b-slice", action="store_true", help="skip the profile of the 35B-shaped slice")
+    parser.add_argument(
+        "--llama-cpp", default=None, metavar="TYPE", help="also decode on llama.cpp from a GGUF of TYPE, e.g. f32"
+    )
     parser.add_argument("--output", default="bench_results")
     return parser.parse_args(argv)
 
@@ -65,6 +71,7 @@ def main(argv=None) -> None:
         prompt_lengths=args.prompt_lengths,
         steps=args.steps,
         slice_35b=not args.no_35b_slice,
+        llama_cpp=args.llama_cpp,
     )
 
 
