@@ -21,6 +21,7 @@ from conftest import CODE_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from clover.chat_data_clover import encode_chat_example
+from clover.finetune_clover import apply_lora
 from clover.modeling_clover import CloverForBlockDiffusion, batch_from_labels, examples_from_labels
 from clover.trainer_clover import LORA_MODULES, CloverTrainer, decoding_state_noise
 from clover.training_clover import CloverDataCollator
@@ -568,10 +569,10 @@ def repeat_task(tmp_path_factory, train_script, demo_tokenizer):
     return SimpleNamespace(root=root, data=data, before=before, merged=merged)
 
 
-def test_lora_targets_the_fused_expert_parameters(train_script, demo_tokenizer):
+def test_lora_targets_the_fused_expert_parameters(demo_tokenizer):
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    model = train_script.apply_lora(_load(DEMO), 8)
+    model = apply_lora(_load(DEMO), 8)
     layers = model.base_model.model.model.layers
     for layer in layers:
         wrapped = {m.parameter_name for m in layer.mlp.experts.modules() if isinstance(m, ParamWrapper)}
@@ -803,7 +804,7 @@ def test_failed_run_leaves_the_previous_output_untouched(train_script, tmp_path,
     def crash(self, *args, **kwargs):
         raise RuntimeError("training crashed")
 
-    monkeypatch.setattr(train_script.Trainer, "train", crash)
+    monkeypatch.setattr(Trainer, "train", crash)
     good = _write_jsonl(tmp_path / "good.jsonl", _good_lines())
     with pytest.raises(RuntimeError, match="training crashed"):
         train_script.main(["--model", str(DEMO), "--data", str(good), "--output", str(output), "--force"])
