@@ -126,6 +126,9 @@ class LlamaCppClover:
         # Non-causal forwards must fit one micro-batch; prompts longer than this are entered in chunks.
         context_params.n_batch = context_params.n_ubatch = 512
         context_params.n_seq_max = 2  # main + scratch
+        # One K/V buffer for both: a copy to the scratch sequence then only tags the cells (with a buffer per
+        # sequence, llama.cpp copies the whole buffer, and each sequence gets half the context).
+        context_params.kv_unified = True
         threads = n_threads or os.cpu_count() or 1
         context_params.n_threads = context_params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(self.model, context_params)
