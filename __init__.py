@@ -13,6 +13,12 @@ def __getattr__(name: str):
         from .trl_clover import CloverSFTTrainer
 
         return CloverSFTTrainer
+    # Need llama-cpp-python and gguf (the "llama" extra); not in __all__, so `import *` works without them.
+    if name in ("LlamaCppClover", "export_gguf"):
+        from .gguf_clover import export_gguf
+        from .llama_cpp_clover import LlamaCppClover
+
+        return {"LlamaCppClover": LlamaCppClover, "export_gguf": export_gguf}[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
