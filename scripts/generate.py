@@ -168,8 +168,15 @@ def generate_gguf(args, tools) -> None:
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 256
     streamer = ThinkingStreamer(None, args.thinking is not False and not args.raw, styled=sys.stdout.isatty())
 
-    def stream(tokens):
-        streamer.on_finalized_text(model.detokenize(tokens))
+    new_tokens, shown = [], ""
+
+    def stream(tokens):  # the text so far, minus what was shown; a character split across blocks waits
+        nonlocal shown
+        new_tokens.extend(tokens)
+        text = model.detokenize(new_tokens)
+        if not text.endswith("\ufffd"):
+            streamer.on_finalized_text(text[len(shown) :])
+            shown = text
 
     start = time.perf_counter()
     output = model.generate(
