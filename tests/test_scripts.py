@@ -58,6 +58,11 @@ CASES = {
         r"--self-speculative needs a Clover checkpoint; .*qwen3_5_moe-tiny-demo is a qwen3_5_moe_text",
     ),
     "bench.py": (lambda tmp: ["--model", MISSING], r"No checkpoint at no-such-checkpoint"),
+    "export_gguf.py": (
+        lambda tmp: ["--model", MISSING, "--output", str(tmp / "x.gguf")],
+        r"--model no-such-checkpoint: no such directory; pass a Clover or Qwen3\.5-MoE checkpoint directory",
+    ),
+    "eval_llama_cpp.py": (lambda tmp: ["--types", "q3"], r"--types: 'q3' is not one of f32, f16, bf16, q8_0, q4_k_m"),
     "average_weights.py": (
         lambda tmp: [str(SHIPPED), "--output", str(tmp / "soup")],
         r"Got 1 checkpoint; pass two or more checkpoint directories",
