@@ -256,18 +256,23 @@ class LlamaCppClover:
         repetition_penalty: float | None = None,
         max_steps_per_block: int | None = None,
         seed: int | None = None,
+        generator: torch.Generator | None = None,
         streamer: Callable[[list[int]], None] | None = None,
     ) -> LlamaCppGenerationOutput:
         """Decodes after `prompt` (token ids) as `CloverForBlockDiffusion.generate` does (docs/DESIGN.md §6):
         `strategy` "low_confidence" (block diffusion at `threshold`, default the file's), "self_speculative" (the
         causal greedy output, drafted by block diffusion) or "autoregressive" (llama.cpp's causal greedy decoding,
         one token per forward, for comparison). Sampling: a candidate is drawn from the scores after temperature,
-        top-k, top-p; its confidence is its probability under the unwarped scores. `streamer(tokens)` receives each
-        committed block (or accepted run)."""
+        top-k, top-p; its confidence is its probability under the unwarped scores. The draws are `generate`'s (one
+        per undecided position, in order), so `seed` (or a `generator`) seeded as `generate`'s generator gives its
+        tokens. `streamer(tokens)` receives each committed block (or accepted run)."""
         prompt = [int(t) for t in prompt]
         threshold = self.threshold if threshold is None else threshold
         self._check(prompt, max_new_tokens, strategy, threshold, do_sample)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        if strategy != "low_confidence" and repetition_penalty not in (None, 1.0):
+            raise ValueError(f"strategy={strategy!r} reproduces greedy causal decoding: drop repetition_penalty.")
+        if generator is None and seed is not None:
+            generator = torch.Generator().manual_seed(seed)
         processors = LogitsProcessorList()
         if repetition_penalty not in (None, 1.0):
             processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))

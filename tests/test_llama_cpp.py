@@ -217,6 +217,19 @@ def test_decoding_gives_transformers_tokens_on_100_held_out_problems(llama, mode
     assert abs(ours["exact_match"] - theirs["exact_match"]) <= 0.01
 
 
+@torch.no_grad()
+def test_sampling_draws_generates_tokens_from_the_same_seed(llama, model, tokenizer):
+    # One draw per undecided position, in generate's order, from nearly the same probabilities: the same samples.
+    sampling = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    for seed, ids in enumerate(prompt_ids(tokenizer, generate_examples(6, seed=HELD_OUT_SEED))):
+        ours = llama.generate(ids, max_new_tokens=192, seed=seed, **sampling)
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=192, generator=torch.Generator().manual_seed(seed),
+            return_dict_in_generate=True, **sampling,
+        )  # fmt: skip
+        assert ours.tokens == out.sequences[0, len(ids) : len(ids) + int(out.num_new_tokens[0])].tolist()
+
+
 def test_self_speculative_output_is_llama_cpps_own_greedy_decoding(llama, tokenizer):
     ids = _prompt(tokenizer, 2)
     speculative = llama.generate(ids, max_new_tokens=96, strategy="self_speculative")
@@ -255,6 +268,8 @@ def test_generate_refuses_bad_arguments(llama, tokenizer):
         llama.generate([*ids, llama.mask_token_id])
     with pytest.raises(ValueError, match="is greedy: it takes do_sample=False"):
         llama.generate(ids, strategy="self_speculative", do_sample=True)
+    with pytest.raises(ValueError, match="drop repetition_penalty"):
+        llama.generate(ids, strategy="self_speculative", repetition_penalty=1.2)
     with pytest.raises(ValueError, match=r"need a context of \d+; this one holds 2048"):
         llama.generate(ids, max_new_tokens=4000)
 
