@@ -96,7 +96,18 @@ class LlamaCppClover:
         self.lib = lib = llama_cpp
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"--gguf {path}: no such file; write one with python scripts/export_gguf.py.")
+            raise ValueError(f"{path}: no such file; write a GGUF with python scripts/export_gguf.py.")
+        try:
+            facts = read_clover_metadata(path)
+        except (ValueError, OSError) as error:
+            raise ValueError(
+                f"{path} is not a GGUF file ({error}); write one with python scripts/export_gguf.py."
+            ) from None
+        if "mask_token_id" not in facts or "block_size" not in facts:
+            raise ValueError(
+                f"{path} has no clover.mask_token_id / clover.block_size: it is not a Clover GGUF. Export a Clover "
+                "checkpoint (a plain Qwen3.5-MoE file runs on llama.cpp as is, e.g. python -m llama_cpp.server)."
+            )
         global _QUIET
         if not verbose:
             _QUIET = llama_cpp.llama_log_callback(_quiet_log)
@@ -109,12 +120,6 @@ class LlamaCppClover:
             raise ValueError(f"llama.cpp could not load {path}: is it a GGUF file (python scripts/export_gguf.py)?")
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
-        facts = read_clover_metadata(path)
-        if "mask_token_id" not in facts or "block_size" not in facts:
-            raise ValueError(
-                f"{path} has no clover.mask_token_id / clover.block_size: it is not a Clover GGUF. Export a Clover "
-                "checkpoint (a plain Qwen3.5-MoE file runs on llama.cpp as is, e.g. python -m llama_cpp.server)."
-            )
         self.mask_token_id, self.block_size = int(facts["mask_token_id"]), int(facts["block_size"])
         self.threshold = round(float(facts.get("threshold", 0.95)), 6)  # stored as float32
         self.eos_token_ids = [int(t) for t in facts.get("eos_token_ids", [lib.llama_vocab_eos(self.vocab)])]

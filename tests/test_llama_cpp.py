@@ -274,10 +274,12 @@ def test_generate_refuses_bad_arguments(llama, tokenizer):
         llama.generate(ids, max_new_tokens=4000)
 
 
-def test_a_plain_qwen_gguf_is_refused_with_the_fix(tmp_path):
+def test_a_plain_qwen_gguf_or_another_file_is_refused_with_the_fix(tmp_path):
     path = export_gguf(AR_BASE, tmp_path / "base.gguf", "f16")
     with pytest.raises(ValueError, match="not a Clover GGUF"):
         LlamaCppClover(path)
+    with pytest.raises(ValueError, match=r"README.md is not a GGUF file .*scripts/export_gguf.py"):
+        LlamaCppClover(REPO / "README.md")
 
 
 def test_generate_script_decodes_a_gguf(exported):
