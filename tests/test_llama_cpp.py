@@ -86,7 +86,9 @@ def test_export_writes_a_qwen35moe_file_with_the_tokenizer_template_and_clovers_
     assert {"token_embd.weight", "output.weight", "blk.0.ssm_a", "blk.0.ffn_gate_exps.weight", "blk.1.attn_q.weight"} <= names  # fmt: skip
     assert len(names) == 73
     assert not [p for p in exported.parent.iterdir() if p != exported]  # no temporary left beside it
-    assert exported.stat().st_mode & 0o044  # readable by others, as files written normally are
+    umask = os.umask(0)
+    os.umask(umask)
+    assert exported.stat().st_mode & 0o777 == 0o666 & ~umask  # as a file written normally, not mkstemp's 0600
 
 
 def test_export_of_the_autoregressive_base_stacks_its_per_expert_tensors(tmp_path):
