@@ -9,10 +9,11 @@ learn the same data and stay comparable.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
-from clover.cli_clover import run_main
+from clover.cli_clover import checkpoint_dir, run_main
 from clover.demo.base_model import train_base
 
 
@@ -32,11 +33,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=150)
     parser.add_argument("--logging-steps", type=int, default=25)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    checkpoint_dir(args.model)
+    if not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data}: no such file; pass a JSONL of chat examples.")
+    if Path(args.output).exists() and not args.force:
+        raise ValueError(f"{args.output} exists; pass --force to replace it (it is kept until the new one is saved).")
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps ({args.max_steps}) must be at least 1.")
     if args.threads:
         torch.set_num_threads(args.threads)
     train_base(

@@ -43,6 +43,23 @@ CASES = {
         lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out"), "--keep-wrong-masked"],
         r"--keep-wrong-masked changes the decoding states of --decoding-state-noise P: pass P > 0 too",
     ),
+    "train_base.py": (
+        lambda tmp: ["--model", MISSING, "--data", "x.jsonl", "--output", str(tmp / "out"), "--max-steps", "1"],
+        r"No checkpoint at no-such-checkpoint \(no config.json there\): pass --model DIR",
+    ),
+    "train_base.py: existing output": (
+        lambda tmp: [
+            "--model",
+            str(REPO / "models" / "qwen3_5_moe-tiny-demo"),
+            "--data",
+            str(a_file(tmp)),
+            "--output",
+            str(trained_model(tmp)),
+            "--max-steps",
+            "1",
+        ],  # fmt: skip
+        r"trained exists; pass --force to replace it",
+    ),
     "train_demo.py": (lambda tmp: ["--layers", "lxf", "--work", str(tmp / "work")], r"--layers \('lxf'\) must be"),
     "train_demo.py: existing output": (
         lambda tmp: [*demo_dirs(tmp), "--output", str(trained_model(tmp)), "--stages", "data"],
