@@ -79,6 +79,8 @@ class LlamaCppClover:
         n_ctx: tokens of context (prompt and output, plus one block of room).
         n_threads: CPU threads (default: all cores).
         n_gpu_layers: layers offloaded to a GPU build of llama.cpp (0 on a CPU build).
+        experts_on_cpu: keep the routed experts' weights in system memory whatever `n_gpu_layers` says (llama.cpp's
+            `--cpu-moe`): the 35B in q4_k_m on a 16 GB card.
         verbose: keep llama.cpp's own log on stderr.
     """
 
@@ -89,6 +91,7 @@ class LlamaCppClover:
         n_ctx: int = 4096,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
+        experts_on_cpu: bool = False,
         verbose: bool = False,
     ):
         import llama_cpp
@@ -115,6 +118,9 @@ class LlamaCppClover:
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = n_gpu_layers
+        if experts_on_cpu:
+            self._overrides = _experts_on_cpu()  # kept alive: llama.cpp reads it while loading
+            model_params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {path}: is it a GGUF file (python scripts/export_gguf.py)?")
@@ -447,6 +453,25 @@ class LlamaCppClover:
             self.close()
         except Exception:
             pass
+
+
+class _TensorBufferOverride(ctypes.Structure):  # llama.h's llama_model_tensor_buft_override
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _experts_on_cpu():
+    """A NULL-terminated override list placing every routed-expert tensor in the CPU's buffer type."""
+    from llama_cpp import _ggml
+
+    ggml = _ggml.libggml
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    cpu = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
+    return (_TensorBufferOverride * 2)(
+        _TensorBufferOverride(rb"\.ffn_(up|down|gate)_exps", cpu), _TensorBufferOverride()
+    )
 
 
 def _cap(steps_cap, steps_done):

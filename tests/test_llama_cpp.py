@@ -284,6 +284,17 @@ def test_a_plain_qwen_gguf_or_another_file_is_refused_with_the_fix(tmp_path):
         LlamaCppClover(REPO / "README.md")
 
 
+def test_experts_on_cpu_places_the_experts_in_system_memory(exported):
+    # On a CPU build everything is in system memory anyway: llama.cpp's log shows the override applied.
+    code = (
+        "from clover.llama_cpp_clover import LlamaCppClover\n"
+        f"LlamaCppClover({str(exported)!r}, n_threads=1, experts_on_cpu=True, verbose=True)"
+    )
+    result = run_python("-c", code, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "blk.0.ffn_down_exps.weight" in result.stderr and "buffer type overridden to CPU" in result.stderr
+
+
 def test_generate_script_decodes_a_gguf(exported):
     result = run_python(
         "scripts/generate.py", "--gguf", str(exported), "--no-thinking", "Reverse: apple river stone",
