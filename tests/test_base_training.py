@@ -35,6 +35,7 @@ def test_train_base_fine_tunes_and_resumes_and_the_output_loads(tmp_path):
     assert model.config.model_type == AutoModelForCausalLM.from_pretrained(BASE).config.model_type
     # A rerun with more steps goes on from the newest checkpoint rather than starting over.
     command[command.index("--max-steps") + 1] = "3"
+    command.append("--force")  # the finished output of the first run is replaced
     again = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {tmp_path / 'checkpoints' / 'checkpoint-2'}" in again.stdout
