@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from clover.demo.tasks import generate_examples, write_chat_jsonl
@@ -27,12 +26,11 @@ def test_train_base_fine_tunes_and_resumes_and_the_output_loads(tmp_path):
                "--threads", "1"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    tuned = load_file(tmp_path / "out" / "model.safetensors")
-    before = load_file(BASE / "model.safetensors")
+    # Compared as loaded models: how the file names the weights depends on the transformers release.
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    before = AutoModelForCausalLM.from_pretrained(BASE).state_dict()
     assert tuned.keys() == before.keys()
     assert any(not torch.equal(tuned[name], before[name]) for name in tuned)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert model.config.model_type == AutoModelForCausalLM.from_pretrained(BASE).config.model_type
     # A rerun with more steps goes on from the newest checkpoint rather than starting over.
     command[command.index("--max-steps") + 1] = "3"
     command.append("--force")  # the finished output of the first run is replaced
