@@ -39,6 +39,44 @@ class CausalChatCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def causal_training_arguments(
+    output_dir: str | Path,
+    steps: int,
+    lr: float,
+    *,
+    save_steps: int,
+    seed: int,
+    logging_steps: int = 25,
+    evaluate: bool = True,
+):
+    """The base's Trainer settings (the recipe's base stage and `train_base`): cosine schedule, token-budget batches
+    read in order, an eval and a checkpoint every `save_steps`, the last two checkpoints kept."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 50),
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        per_device_train_batch_size=1,  # each item is a token-budget batch
+        per_device_eval_batch_size=1,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=save_steps,
+        logging_steps=logging_steps,
+        save_strategy="steps",
+        save_steps=save_steps,
+        save_total_limit=2,
+        report_to=[],
+        seed=seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_pin_memory=False,
+        train_sampling_strategy="sequential",
+    )
+
+
 def train_base(
     model_dir: str | Path,
     data: str | Path,
@@ -57,7 +95,7 @@ def train_base(
     on the answers, by transformers.Trainer: how the base learns what a Clover made from it learns, so the two stay
     comparable. With `checkpoint_dir`, a rerun resumes from the newest Trainer checkpoint there. The output is
     written whole or not at all (with the run's loss log in learning_curve.json)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 
     from ..chat_data_clover import encode_chat_examples, read_chat_jsonl
     from ..cli_clover import replace_directory
@@ -77,28 +115,10 @@ def train_base(
         epoch += 1
     checkpoints = Path(checkpoint_dir or Path(output).with_name(f".{Path(output).name}.checkpoints"))
     found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    arguments = TrainingArguments(
-        output_dir=str(checkpoints),
-        max_steps=max_steps,
-        learning_rate=lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, max_steps // 50),
-        weight_decay=0.01,
-        adam_beta2=0.98,
-        per_device_train_batch_size=1,  # each item is a token-budget batch
-        per_device_eval_batch_size=1,
-        eval_strategy="steps" if eval_data else "no",
-        eval_steps=save_steps,
-        logging_steps=logging_steps,
-        save_strategy="steps",
-        save_steps=save_steps,
-        save_total_limit=2,
-        report_to=[],
-        seed=seed,
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_pin_memory=False,
-        train_sampling_strategy="sequential",
-    )
+    arguments = causal_training_arguments(
+        checkpoints, max_steps, lr, save_steps=save_steps, seed=seed, logging_steps=logging_steps,
+        evaluate=eval_data is not None,
+    )  # fmt: skip
     trainer = Trainer(
         model=model,
         args=arguments,
@@ -119,4 +139,4 @@ def train_base(
     replace_directory(staging, output)
 
 
-__all__ = ["CausalChatCollator", "train_base"]
+__all__ = ["CausalChatCollator", "causal_training_arguments", "train_base"]

@@ -33,12 +33,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, Trainer, TrainingArguments
+from transformers import AutoTokenizer, GenerationConfig, Trainer
 
 from ..chat_data_clover import encode_chat_examples, read_chat_jsonl
 from ..cli_clover import replace_directory
 from ..training_clover import token_budget_batches
-from .base_model import CausalChatCollator
+from .base_model import CausalChatCollator, causal_training_arguments
 from .tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -298,8 +298,8 @@ def stage_base(args, run: Run, resume: str | None) -> None:
         print(f"base: resuming from {resume}")
     trainer = Trainer(
         model=model,
-        args=training_arguments(
-            args, checkpoints, args.base_steps, args.base_lr, train_sampling_strategy="sequential"
+        args=causal_training_arguments(
+            checkpoints, args.base_steps, args.base_lr, save_steps=args.save_steps, seed=args.seed
         ),
         train_dataset=train,
         eval_dataset=held_out,
@@ -326,31 +326,6 @@ def generation_config(tokenizer) -> GenerationConfig:
         pad_token_id=tokenizer.pad_token_id,
         max_new_tokens=256,
         do_sample=False,
-    )
-
-
-def training_arguments(args, output_dir: Path, steps: int, lr: float, **overrides) -> TrainingArguments:
-    return TrainingArguments(
-        **overrides,
-        output_dir=str(output_dir),
-        max_steps=steps,
-        learning_rate=lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 50),
-        weight_decay=0.01,
-        adam_beta2=0.98,
-        per_device_train_batch_size=1,  # each item is a token-budget batch
-        per_device_eval_batch_size=1,
-        eval_strategy="steps",
-        eval_steps=args.save_steps,
-        logging_steps=25,
-        save_strategy="steps",
-        save_steps=args.save_steps,
-        save_total_limit=2,
-        report_to=[],
-        seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_pin_memory=False,
     )
 
 

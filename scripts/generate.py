@@ -93,6 +93,14 @@ def read_tools(args) -> list[dict] | None:
     return tools
 
 
+def chat_request(args) -> tuple[list[dict], dict]:
+    """The chat the prompt makes (the --system turn first) and the template options it asks for."""
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    return messages, {} if args.thinking is None else {"enable_thinking": args.thinking}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.prompt.strip():
@@ -120,10 +128,7 @@ def main(argv=None) -> None:
     if args.raw:
         text = args.prompt
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-        options = {} if args.thinking is None else {"enable_thinking": args.thinking}
+        messages, options = chat_request(args)
         text = tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False, **options
         )
@@ -159,10 +164,7 @@ def generate_gguf(args, tools) -> None:
     if args.raw:
         text = args.prompt
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-        options = {} if args.thinking is None else {"enable_thinking": args.thinking}
+        messages, options = chat_request(args)
         text = model.apply_chat_template(messages, tools=tools, **options)
     ids = model.tokenize(text)
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 256
