@@ -38,6 +38,8 @@ def fine_tune(args: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True)
     if args.causal_loss_weight is not None:
         model.config.causal_loss_weight = args.causal_loss_weight
+    if args.causal_distill_weight is not None:
+        model.config.causal_distill_weight = args.causal_distill_weight
     max_length = args.max_length or model.config.max_position_embeddings
     train_set, eval_set = training_and_eval_sets(args, tokenizer, max_length)
     resume = resume_point(args)

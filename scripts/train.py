@@ -94,6 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--causal-loss-weight", type=float, default=None, help="add a next-token loss on the clean sequence"
     )
     parser.add_argument(
+        "--causal-distill-weight",
+        type=float,
+        default=None,
+        help="pull each masked token's block-diffusion prediction towards the causal path's next-token "
+        "distribution (KL divergence)",
+    )
+    parser.add_argument(
         "--layer-lr",
         type=layer_learning_rate,
         action="append",

@@ -230,6 +230,33 @@ def test_labels_alone_give_the_collators_batch_and_its_loss(loss_model):
     assert not torch.allclose(loss_model(**causal).loss, expected)  # the noise comes from torch's generator
 
 
+@pytest.mark.parametrize("causal_loss_weight", [0.0, 0.5])
+def test_causal_distillation_adds_the_kl_from_the_causal_path_to_each_masked_prediction(
+    tiny_config, causal_loss_weight
+):
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(tiny_config(causal_loss_weight=causal_loss_weight)).float().eval()
+    batch = CloverDataCollator(PAD, 8, seed=1)(_features([(3, 19), (5, 7), (2, 9)]))
+    plain = model(**batch)
+    model.config.causal_distill_weight = 0.3
+    distilled = model(**batch)
+    # Reference: the causal path's next-token distribution from a plain causal forward (no labels), against the
+    # block-diffusion logits the loss scored (returned in the order of the scored tokens).
+    supervised = batch["labels"] != -100
+    scored = batch["noise_mask"] & supervised
+    with torch.no_grad():
+        causal_logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    teacher = causal_logits[:, :-1][scored[:, 1:]].log_softmax(-1)
+    student = plain.logits.log_softmax(-1)
+    divergence = (teacher.exp() * (teacher - student)).sum(-1)
+    weights = batch["label_weights"][scored] / batch["noise_level"][scored]
+    expected = 0.3 * (divergence * weights).sum() / batch["label_weights"].sum()
+    assert float(expected) > 1e-3
+    torch.testing.assert_close(distilled.loss - plain.loss, expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"causal_distill_weight \(-1\) must be a number >= 0"):
+        tiny_config(causal_distill_weight=-1)
+
+
 def test_labels_with_several_answers_in_a_row_train_each_after_the_conversation_before_it():
     # [p p a a u u b b b pad]: two supervised runs -> (p p, a a) and (p p a a u u, b b b); a run from the first
     # token leaves that token to the prompt.

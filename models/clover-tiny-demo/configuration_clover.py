@@ -32,6 +32,10 @@ class CloverConfig(PretrainedConfig):
             Training only: the weight of a next-token loss on the clean sequence (a causal forward, as in the
             autoregressive base) added to the block-diffusion loss. It keeps a converted base's causal ability,
             which self-speculative decoding verifies with.
+        causal_distill_weight (`float`, defaults to 0.0):
+            Training only: the weight of a distillation term that pulls each masked answer token's block-diffusion
+            prediction towards the causal path's next-token distribution at the same position (KL divergence,
+            the causal side detached), weighted like the block-diffusion loss. 0 turns it off.
         experts_quantization (`dict`, *optional*):
             How the routed experts are stored, written by quantization (see `quantization_clover`) and read back by
             `from_pretrained`: `{"quant_type": "nf4" | "fp4" | "int8", "blocksize": int, "double_quant": bool}`.
@@ -96,6 +100,7 @@ class CloverConfig(PretrainedConfig):
         output_router_logits: bool = False,
         router_aux_loss_coef: float = 0.001,
         causal_loss_weight: float = 0.0,
+        causal_distill_weight: float = 0.0,
         layer_types: list[str] | None = None,
         full_attention_interval: int = 4,
         block_size: int = 32,
@@ -131,6 +136,7 @@ class CloverConfig(PretrainedConfig):
         self.output_router_logits = output_router_logits
         self.router_aux_loss_coef = router_aux_loss_coef
         self.causal_loss_weight = causal_loss_weight
+        self.causal_distill_weight = causal_distill_weight
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.experts_quantization = experts_quantization
@@ -205,10 +211,10 @@ class CloverConfig(PretrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) cannot exceed num_experts ({self.num_experts})."
             )
-        if not isinstance(self.causal_loss_weight, (int, float)) or self.causal_loss_weight < 0:
-            raise ValueError(
-                f"causal_loss_weight ({self.causal_loss_weight!r}) must be a number >= 0 (0 turns it off)."
-            )
+        for name in ("causal_loss_weight", "causal_distill_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} ({value!r}) must be a number >= 0 (0 turns it off).")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size ({self.block_size!r}) must be a positive integer, e.g. 32.")
         if self.block_size > self.max_position_embeddings:

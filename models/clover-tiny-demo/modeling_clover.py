@@ -1271,7 +1271,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
     def _diffusion_loss(self, batch: dict, with_aux: bool, fused: bool) -> CloverOutput:
         """The training objective (docs/DESIGN.md §7): CE on the masked supervised tokens weighted 1/t (and by
         `label_weights`), over the (weighted) number of supervised tokens; plus `causal_loss_weight` times the
-        causal next-token CE. Each token's share of that sum is kept (`contribution`), so TRL's fused-head loss,
+        causal next-token CE, and `causal_distill_weight` times the KL divergence from the causal path's next-token
+        distribution to the block-diffusion prediction of each masked token (weighted as its CE). Each token's share of that sum is kept (`contribution`), so TRL's fused-head loss,
         `-log_probs.sum() / label_mask.sum()`, is this loss exactly."""
         input_ids, attention_mask, labels, block_ids = (batch[k] for k in ("input_ids", "attention_mask", "labels", "block_ids"))  # fmt: skip
         supervised = labels != -100
@@ -1300,9 +1301,18 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         total_weight = label_weights.sum().clamp(min=1e-6)
         contribution = torch.zeros(labels.shape, device=logits.device)  # (batch, seq): each token's share
         contribution[:, answer_start:][scored] = F.cross_entropy(logits, targets, reduction="none") * weights
-        if self.config.causal_loss_weight:
-            causal = self._causal_contribution(input_ids, attention_mask, labels, label_weights)
+        if self.config.causal_loss_weight or self.config.causal_distill_weight:
+            causal, causal_logits = self._causal_contribution(input_ids, attention_mask, labels, label_weights)
             contribution = contribution + self.config.causal_loss_weight * total_weight * causal
+        if self.config.causal_distill_weight:
+            # The causal logits of token j sit at row `rows[j]`: every scored token is supervised and has a left
+            # neighbour (answers follow a prompt), so each one has its causal teacher.
+            rows = torch.full(labels.shape, -1, dtype=torch.long, device=labels.device)
+            causal_scored = labels[:, 1:] != -100
+            rows[:, 1:][causal_scored] = torch.arange(int(causal_scored.sum()), device=labels.device)
+            teacher = causal_logits[rows[:, answer_start:][scored]].detach().float().log_softmax(-1)
+            divergence = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+            contribution[:, answer_start:][scored] += self.config.causal_distill_weight * divergence * weights
         loss = contribution.sum() / total_weight
         aux_loss = None
         if with_aux:
@@ -1322,10 +1332,13 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
             loss=loss, logits=logits, aux_loss=aux_loss, router_logits=outputs.router_logits, **fused_terms
         )
 
-    def _causal_contribution(self, input_ids, attention_mask, labels, label_weights) -> torch.Tensor:
+    def _causal_contribution(
+        self, input_ids, attention_mask, labels, label_weights
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-token CE of the supervised tokens in a causal forward of the clean sequence (no block_ids: the
         autoregressive base's forward), weighted like the diffusion loss, each token's share of its mean
-        (batch, seq; the CE of token j sits at j): it keeps a converted base's AR ability."""
+        (batch, seq; the CE of token j sits at j): it keeps a converted base's AR ability. Also returns the logits
+        (one row per supervised token after the first column, in order)."""
         hidden_states = self.model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
@@ -1335,7 +1348,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         token_loss = F.cross_entropy(logits.float(), targets[scored], reduction="none")
         share = torch.zeros(labels.shape, device=token_loss.device)
         share[:, 1:][scored] = token_loss * weights[scored] / weights[scored].sum().clamp(min=1e-6)
-        return share
+        return share, logits
 
 
 def draw_block_noise(
