@@ -66,9 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--per-family", type=int, default=50)
-    parser.add_argument(
-        "--seed", type=int, default=12345, help="held-out seed (the training corpora use seeds below 40)"
-    )
+    parser.add_argument("--seed", type=int, default=12345, help="held-out seed (no training corpus uses it)")
     parser.add_argument(
         "--thresholds", type=float, nargs="+", default=list(THRESHOLDS), help="Clover's LowConfidence thresholds"
     )

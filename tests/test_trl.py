@@ -19,9 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed  # noqa: 
 from clover import CloverSFTTrainer  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "clover-tiny-demo"
-WORDS = (
-    "apple river stone cloud tiger lemon piano castle garden rocket silver forest candle mirror planet window".split()
-)
+# Words the demo tokenizer keeps whole with and without a leading space: the reply's first word has none, so a word
+# split differently there ("apple" -> "ap" "ple", " apple" one token) must be spelled anew, not copied. With such
+# words (apple river stone cloud tiger ...) the same recipe reached 8-9 of 16 on both decoding paths, the causal
+# one included; with these, 16 of 16.
+WORDS = "bread sun table umbrella zebra book horse clock cloud king money rabbit rain sister snow voice".split()
 NO_THINKING = {"enable_thinking": False}
 
 
@@ -130,8 +132,8 @@ def exact_replies(model, tokenizer, rows) -> tuple[int, float]:
 @pytest.mark.slow
 def test_a_lora_fine_tune_teaches_the_shipped_model_a_new_task(model, tokenizer, tmp_path):
     """150 steps of LoRA (rank 8, the experts included) on "repeat each word twice": held-out word pairs go from
-    none right to at least half right, decoded at 0.95 (measured: 0/16 -> 9/16 at 3.4 tokens per forward; 1,200
-    examples seen once). About 1 minute on 2 cores."""
+    none right to nearly all right, decoded at 0.95 (measured: 0/16 -> 16/16 at 5.0 tokens per forward, the causal
+    path 16/16 too; 1,200 examples seen once). About 8 minutes on one thread."""
     held_out = chats(16, seed=1)
     train = chats(1200, seed=2, exclude={tuple(row["messages"][0]["content"].split()[-2:]) for row in held_out})
     before, _ = exact_replies(model.eval(), tokenizer, held_out)
@@ -143,5 +145,5 @@ def test_a_lora_fine_tune_teaches_the_shipped_model_a_new_task(model, tokenizer,
                                peft_config=LoraConfig(r=8, lora_alpha=16))  # fmt: skip
     trainer.train()
     after, tokens_per_forward = exact_replies(trainer.model.merge_and_unload().eval(), tokenizer, held_out)
-    assert before == 0 and after >= 8, (before, after)
-    assert tokens_per_forward > 1.5
+    assert before == 0 and after >= 14, (before, after)
+    assert tokens_per_forward > 3
