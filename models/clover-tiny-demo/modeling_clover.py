@@ -1272,8 +1272,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         """The training objective (docs/DESIGN.md §7): CE on the masked supervised tokens weighted 1/t (and by
         `label_weights`), over the (weighted) number of supervised tokens; plus `causal_loss_weight` times the
         causal next-token CE, and `causal_distill_weight` times the KL divergence from the causal path's next-token
-        distribution to the block-diffusion prediction of each masked token (weighted as its CE). Each token's share of that sum is kept (`contribution`), so TRL's fused-head loss,
-        `-log_probs.sum() / label_mask.sum()`, is this loss exactly."""
+        distribution to the block-diffusion prediction of each masked token (weighted as its CE). Each token's share
+        of that sum is kept (`contribution`), so TRL's fused-head loss, `-log_probs.sum() / label_mask.sum()`, is
+        this loss exactly."""
         input_ids, attention_mask, labels, block_ids = (batch[k] for k in ("input_ids", "attention_mask", "labels", "block_ids"))  # fmt: skip
         supervised = labels != -100
         noise_mask, noise_level = batch.get("noise_mask"), batch.get("noise_level")
@@ -1303,14 +1304,13 @@ class CloverForBlockDiffusion(CloverPreTrainedModel, CloverGenerationMixin):
         contribution[:, answer_start:][scored] = F.cross_entropy(logits, targets, reduction="none") * weights
         if self.config.causal_loss_weight or self.config.causal_distill_weight:
             causal, causal_logits = self._causal_contribution(input_ids, attention_mask, labels, label_weights)
+        if self.config.causal_loss_weight:
             contribution = contribution + self.config.causal_loss_weight * total_weight * causal
         if self.config.causal_distill_weight:
-            # The causal logits of token j sit at row `rows[j]`: every scored token is supervised and has a left
-            # neighbour (answers follow a prompt), so each one has its causal teacher.
-            rows = torch.full(labels.shape, -1, dtype=torch.long, device=labels.device)
-            causal_scored = labels[:, 1:] != -100
-            rows[:, 1:][causal_scored] = torch.arange(int(causal_scored.sum()), device=labels.device)
-            teacher = causal_logits[rows[:, answer_start:][scored]].detach().float().log_softmax(-1)
+            # One causal row per supervised token after the first column, in order; the scored tokens are among
+            # them (answers follow a prompt), so picking the scored ones keeps the order of `logits`.
+            teacher_rows = (noise_mask & supervised)[:, 1:][labels[:, 1:] != -100]
+            teacher = causal_logits[teacher_rows].detach().float().log_softmax(-1)
             divergence = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
             contribution[:, answer_start:][scored] += self.config.causal_distill_weight * divergence * weights
         loss = contribution.sum() / total_weight
