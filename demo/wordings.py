@@ -9,6 +9,13 @@ held-out template or phrase wherever one exists (politeness pieces held out too)
 in a way the model has not read. The forms that are not wording (lower case, a missing final stop, how numbers are
 separated) are shared by both parts.
 
+What is held out is sentences, not vocabulary: every word of a held-out addition, sort or reversal template is read
+somewhere in that family's training pieces (tests/test_demo_tasks.py checks it). A model trained from scratch on this
+corpus alone has no other source for what "flip", "rank" or "going down" mean, so a word it never read cannot be a
+measure of how it generalises; the training pieces therefore carry the verbs and order words people use, and the
+held-out templates put them into sentences training never had. Politeness and openers stay unread in both senses:
+they carry no meaning, and the model must learn to pass over them.
+
 `tasks.generate_examples(..., wording="train" | "held_out")` uses these; ``wording="templates"`` keeps the original
 templates (the problems earlier results were measured on).
 """
@@ -72,9 +79,12 @@ _ADDITION = (
         "Total of {a} and {b}?", "Could you work out {a} plus {b}?", "Sum: {a}, {b}", "what does {a} + {b} equal",
         "Help me add {a} and {b}.", "I have {a} and {b}. What is their sum?", "{a} and {b} added together?",
         "Calculate: {a} + {b}", "How much do {a} and {b} add up to?", "Find {a} plus {b}.",
+        "{a} plus {b} equals?", "Combine {a} with {b}.", "Try adding {a} to {b}.", "Would you mind summing {a} and {b}?",
+        "Get me {a} + {b}.", "What does {a} + {b} come to?", "Addition: {a} + {b}", "Do this sum: {a} + {b}.",
+        "Add all of this up: {a} + {b}",
     ),
     (
-        "What's {a} plus {b} altogether?", "What's the sum of {a} and {b}?", "{a} + {b} equals what?",
+        "What's {a} plus {b}, all together?", "What's the sum of {a} and {b}?", "{a} + {b} equals what?",
         "Combine {a} and {b}: what's the total?", "Mind adding {a} to {b}?", "Can I get {a} + {b}?",
         "What do {a} and {b} come to?", "Do the addition {a} + {b}.",
     ),
@@ -100,6 +110,10 @@ _ASCENDING = (
         "in order from small to large",
         "ascending",
         "with the smallest number first",
+        "small ones first, big ones last",
+        "counting up",
+        "going from low to high",
+        "least first, most last",
     ),
     ("from small to big", "lowest first", "from the smallest up", "least to most", "going up"),
 )
@@ -115,6 +129,10 @@ _DESCENDING = (
         "from greatest to least",
         "descending",
         "with the largest number first",
+        "big ones first, small ones last",
+        "counting down",
+        "going from high to low",
+        "most first, least last",
     ),
     ("from big to small", "highest first", "from the biggest down", "most to least", "going down"),
 )
@@ -125,17 +143,28 @@ _SORT = (
         "Can you sort {nums} {order}?", "Please put {nums} in order, {order}.", "Sort the list {nums} {order}",
         "I have these numbers: {nums}. Sort them {order}.", "Numbers: {nums}. Sort {order}.",
         "Sort {order}: {nums}", "Put {nums} in order {order}.", "Could you arrange these {order}? {nums}",
-        "sort {nums} {order}", "Write {nums} {order}.",
+        "sort {nums} {order}", "Write {nums} {order}.", "Rank these numbers {order}: {nums}", "{nums}: list them {order}",
+        "Rearrange these {order}: {nums}", "Give {nums} back {order}.", "Some numbers for you: {nums}. Sort them {order}.",
+        "Here is a list: {nums}. Put it {order}.", "What are {nums} {order}?",
     ),
     (
         "Rank {nums} {order}.", "Could you order {nums} {order}?", "List {nums} {order}.",
-        "Here are some numbers: {nums}. Give them back {order}.", "Rearrange {nums} {order}",
+        "Here are some numbers: {nums}. Give them back {order}.", "Rearrange the list {nums} {order}",
         "What is {nums} sorted {order}?",
     ),
 )  # fmt: skip
 # Without an order phrase a sort is ascending.
 _SORT_PLAIN = (
-    ("Please sort: {nums}", "Sort: {nums}", "sort these {nums}", "Sort the numbers {nums}.", "{nums} sorted?"),
+    (
+        "Please sort: {nums}",
+        "Sort: {nums}",
+        "sort these {nums}",
+        "Sort the numbers {nums}.",
+        "{nums} sorted?",
+        "Line these up: {nums}",
+        "Get these sorted: {nums}",
+        "put {nums} into a sorted list",
+    ),
     ("Line up {nums}.", "Get {nums} into order."),
 )
 
@@ -170,6 +199,8 @@ _REVERSAL = (
         "Put these words in reverse order: {words}", "{words} - reverse that", "Backwards please: {words}",
         "Read {words} from the end.", "Words: {words}. Reverse them.", "Reverse the word order of {words}",
         "What is {words} in reverse order?", "reverse {words}", "Write {words} from the last word to the first.",
+        "Flip {words}.", "flip these: {words}", "Turn it around: {words}", "Invert this list: {words}", "Mirror {words}.",
+        "Opposite order please: {words}", "Could you reverse {words}?", "Write {words} starting with the last word.",
     ),
     (
         "Flip the order of {words}.", "Turn {words} around.", "Say {words} in the opposite order.",
@@ -269,6 +300,8 @@ _OUT_OF_SCOPE = (
         "Why is the sky blue?", "How do I cook rice?", "Multiply 12 by 7.", "What is 9 minus 4?",
         "Who won the world cup?", "Give me a recipe for pancakes.", "Are you a robot?", "Summarize this article.",
         "What is Python?", "good night", "thanks", "Count to ten.", "Spell the word apple.", "Divide 100 by 4.",
+        "What is 3 times 8?", "Write code for me.", "Tell me about the moon.", "What's new?", "Sing a lullaby.",
+        "How tall is a giraffe?",
     ),
     (
         "Hello, who are you?", "Write a haiku about autumn.", "What's up?", "Tell me about yourself.",

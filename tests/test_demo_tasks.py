@@ -338,6 +338,26 @@ def test_training_requests_never_use_a_held_out_wording():
     assert not leaked
 
 
+def test_held_out_wordings_use_only_words_training_has_read():
+    """A held-out request is a sentence the model has not read, not a word it has never seen: a model trained from
+    scratch on this corpus alone cannot know that an unseen "flip" or "rank" names a task. So every word of a
+    held-out addition, sort or reversal template (order phrases included) is in the same family's training pieces."""
+
+    def words(pieces):
+        return {
+            word for piece in pieces for word in re.findall(r"[a-z']+", re.sub(r"\{[a-z_]+\}", " ", piece.lower()))
+        }
+
+    families = {
+        "addition": (wordings._ADDITION,),
+        "sorting": (wordings._SORT, wordings._SORT_PLAIN, wordings._ASCENDING, wordings._DESCENDING),
+        "reversal": (wordings._REVERSAL,),
+    }
+    for family, banks in families.items():
+        unread = words(p for _, held_out in banks for p in held_out) - words(p for train, _ in banks for p in train)
+        assert not unread, (family, sorted(unread))
+
+
 def test_worded_requests_still_carry_the_problem():
     """Whatever the wording, the numbers asked about are in the request and the expected answer is right; requests
     outside the families get the one fixed reply."""
