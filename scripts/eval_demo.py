@@ -14,7 +14,8 @@ LM (the demo's Qwen3.5-MoE base) by its own greedy `generate`, one token per for
 training never used, in two sets (--wordings): "templates", the original request templates at the evaluated sizes,
 and "held_out", requests composed from the held-out part of the wording bank (`demo.wordings`: templates, order
 words and politeness training never saw) at every size, with requests outside the families (which get one fixed
-reply). Prints a table per set (accuracy per family and overall, tokens per forward; "all" counts the four
+reply). `--wordings train` adds fresh problems worded by the bank's training part, composed the same way: whether a
+model has learnt the wordings it was trained on at all, apart from generalising to new ones. Prints a table per set (accuracy per family and overall, tokens per forward; "all" counts the four
 families), then each family by thinking mode, and writes eval_demo.json and eval_demo.png.
 """
 
@@ -44,7 +45,8 @@ from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, generate_examples, read_pr
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
-WORDING_SETS = ("templates", "held_out")
+WORDING_SETS = ("templates", "held_out", "train")
+DEFAULT_WORDING_SETS = ("templates", "held_out")
 
 
 def problem_sets(args) -> dict[str, list]:
@@ -54,11 +56,12 @@ def problem_sets(args) -> dict[str, list]:
     sets = {}
     if "templates" in args.wordings:  # the sizes the targets are set on, as earlier results were measured
         sets["templates"] = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
-    if "held_out" in args.wordings:
-        families = (*FAMILIES, OUT_OF_SCOPE)
-        sets["held_out"] = generate_examples(
-            args.per_family * len(families), seed=args.seed, families=families, level="wide", wording="held_out"
-        )
+    families = (*FAMILIES, OUT_OF_SCOPE)
+    for wording in ("held_out", "train"):
+        if wording in args.wordings:
+            sets[wording] = generate_examples(
+                args.per_family * len(families), seed=args.seed, families=families, level="wide", wording=wording
+            )
     return sets
 
 
@@ -82,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--wordings",
         nargs="+",
         choices=WORDING_SETS,
-        default=list(WORDING_SETS),
-        help="the problem sets: the training templates' wordings, the held-out wordings",
+        default=list(DEFAULT_WORDING_SETS),
+        help="the problem sets: the original templates' wordings, the bank's held-out wordings (default: both), "
+        "the bank's training wordings",
     )
     parser.add_argument(
         "--problems", default=None, help="a JSONL of problems to score instead of the generated ones (read_problems)"

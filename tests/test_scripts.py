@@ -221,6 +221,17 @@ def test_eval_demo_decodes_self_speculatively_too(tmp_path):
     assert (tmp_path / "eval_demo.png").is_file()
 
 
+def test_eval_demo_scores_the_bank_training_wordings_on_request(tmp_path):
+    """--wordings train: fresh problems worded by the bank's training part, requests outside the families included."""
+    result = run_script("eval_demo.py", "--per-family", "1", "--thresholds", "0.95", "--wordings", "train",
+                        "--output", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    by_set = json.loads((tmp_path / "eval_demo.json").read_text())["results"]
+    assert set(by_set) == {"train"}
+    counts = by_set["train"]["0.95"]["counts"]
+    assert sum(counts[family]["total"] for family in FAMILIES) == 4 and counts["out_of_scope"]["total"] == 1
+
+
 def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
     existing = trained_model(tmp_path)
     result = run_script("train_demo.py", *demo_dirs(tmp_path), "--output", str(existing), cwd=tmp_path)
