@@ -15,8 +15,8 @@ training never used, in two sets (--wordings): "templates", the original request
 and "held_out", requests composed from the held-out part of the wording bank (`demo.wordings`: templates, order
 words and politeness training never saw) at every size, with requests outside the families (which get one fixed
 reply). `--wordings train` adds fresh problems worded by the bank's training part, composed the same way: whether a
-model has learnt the wordings it was trained on at all, apart from generalising to new ones. Prints a table per set (accuracy per family and overall, tokens per forward; "all" counts the four
-families), then each family by thinking mode, and writes eval_demo.json and eval_demo.png.
+model has learnt the wordings it was trained on at all, apart from generalising to new ones. Prints a table per set
+(accuracy per family and overall, tokens per forward; "all" counts the four families), then each family by thinking mode, and writes eval_demo.json and eval_demo.png.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from clover.demo.evaluation import (
     is_clover,
     summarise,
 )
-from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, generate_examples, read_problems
+from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, WORDINGS, generate_examples, read_problems
+from clover.demo.wordings import SPLITS
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "clover-tiny-demo"
 THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7)
-WORDING_SETS = ("templates", "held_out", "train")
 DEFAULT_WORDING_SETS = ("templates", "held_out")
 
 
@@ -57,7 +57,7 @@ def problem_sets(args) -> dict[str, list]:
     if "templates" in args.wordings:  # the sizes the targets are set on, as earlier results were measured
         sets["templates"] = generate_examples(args.per_family * len(FAMILIES), seed=args.seed)
     families = (*FAMILIES, OUT_OF_SCOPE)
-    for wording in ("held_out", "train"):
+    for wording in SPLITS:  # the wording bank's parts
         if wording in args.wordings:
             sets[wording] = generate_examples(
                 args.per_family * len(families), seed=args.seed, families=families, level="wide", wording=wording
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--wordings",
         nargs="+",
-        choices=WORDING_SETS,
+        choices=WORDINGS,
         default=list(DEFAULT_WORDING_SETS),
         help="the problem sets: the original templates' wordings, the bank's held-out wordings (default: both), "
         "the bank's training wordings",
