@@ -39,7 +39,7 @@ from ..chat_data_clover import encode_chat_examples, read_chat_jsonl
 from ..cli_clover import replace_directory
 from ..training_clover import token_budget_batches
 from .base_model import CausalChatCollator, causal_training_arguments
-from .tasks import FAMILIES, LEVELS, build_demo_tokenizer, generate_examples, write_chat_jsonl
+from .tasks import FAMILIES, LEVELS, OUT_OF_SCOPE, build_demo_tokenizer, generate_examples, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("data", "base", "convert", "adapt")
@@ -72,11 +72,14 @@ DEMO_ARCHITECTURE = dict(
 # Relative number of training examples per family. A tool-call prompt carries the tool list (about 320 tokens
 # against 35 to 55 for the others), so that family gets fewer examples for its share of the compute.
 TRAINING_MIX = (0.3, 0.26, 0.24, 0.2)
+# Worded by the bank (`--wording train`), this share of the conversations are requests outside the families,
+# answered by the fixed reply.
+OUT_OF_SCOPE_SHARE = 0.1
 
 
 STAGE_SETTINGS = {
     "data": ("num_examples", "copy_warmup_examples", "warmup_examples", "mix", "easy_direct_sums", "direct_sums",
-             "worked_additions", "hard_examples", "column_sum_width", "vocab_size", "seed"),
+             "worked_additions", "hard_examples", "column_sum_width", "vocab_size", "wording", "seed"),
     "base": ("hidden_size", "layers", "moe_intermediate_size", "shared_expert_intermediate_size", "batch_tokens",
              "base_steps", "base_lr"),
     "convert": (),
@@ -84,7 +87,8 @@ STAGE_SETTINGS = {
 }  # fmt: skip
 # Settings added after runs were recorded without them, with the value those runs had.
 ADDED_SETTINGS = {
-    "easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0, "hard_examples": 0, "column_sum_width": 1
+    "easy_direct_sums": 0, "direct_sums": 0, "worked_additions": 0, "hard_examples": 0, "column_sum_width": 1,
+    "wording": "templates",
 }  # fmt: skip
 # The setting that a finished stage may raise, to train on from its last checkpoint.
 EXTENDABLE = {"base": "base_steps", "adapt": "adapt_steps"}
@@ -221,33 +225,44 @@ def check_resume_point(checkpoint: str, expected: dict) -> None:
 def stage_data(args, run: Run) -> None:
     """The tokenizer, then the corpus rendered by it: train.jsonl and a small eval.jsonl (another seed)."""
     work = run.work
-    tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed)
+    tokenizer = build_demo_tokenizer(work / "tokenizer", vocab_size=args.vocab_size, seed=args.seed,
+                                     wording=args.wording)  # fmt: skip
+    # Worded by the bank, the corpus is every size a user may ask about, with requests outside the families too.
     full, warmup_level, hard = (
-        replace(LEVELS[name], column_sum_width=args.column_sum_width) for name in ("full", "warmup", "hard")
+        replace(LEVELS[name], column_sum_width=args.column_sum_width)
+        for name in ("full" if args.wording == "templates" else "wide", "warmup", "hard")
     )
+    families, mix = FAMILIES, list(args.mix)
+    if args.wording != "templates":
+        families, mix = FAMILIES + (OUT_OF_SCOPE,), mix + [sum(mix) * OUT_OF_SCOPE_SHARE / (1 - OUT_OF_SCOPE_SHARE)]
+
+    def examples(num, seed, families=families, weights=mix, level=full, **kwargs):
+        return generate_examples(num, seed, families, weights, level, wording=args.wording, **kwargs)
+
     # Training conversations come from seed + 1 (the warm-ups from seeds + 3 and + 4), the eval-loss split from
     # seed + 2; eval_demo.py uses 12345.
-    train = generate_examples(args.num_examples, seed=args.seed + 1, families=FAMILIES, weights=args.mix, level=full)
+    train = examples(args.num_examples, args.seed + 1)
     # A direct sum (thinking off, 2-3 digit operands) is learned from 2-digit ones first: trained on 2-3 digit sums
     # alone the base stayed at chance in the units digit for 400 steps, on 2-digit ones it took off within 300.
-    easy_sums = generate_examples(args.easy_direct_sums, args.seed + 5, ("addition",), level=warmup_level,
-                                  enable_thinking=False)  # fmt: skip
-    direct_sums = generate_examples(args.direct_sums, args.seed + 7, ("addition",), level=full, enable_thinking=False)
+    easy_sums = examples(
+        args.easy_direct_sums, args.seed + 5, ("addition",), None, warmup_level, enable_thinking=False
+    )
+    direct_sums = examples(args.direct_sums, args.seed + 7, ("addition",), None, enable_thinking=False)
     # The worked additions get better the more of the steps they take: the base trained on them alone went from
     # 17 to 37 of 48 held-out ones in 300 steps, while in the full mix they stayed near half.
-    worked = generate_examples(args.worked_additions, args.seed + 6, ("addition",), level=full, enable_thinking=True)
+    worked = examples(args.worked_additions, args.seed + 6, ("addition",), None, enable_thinking=True)
     # The errors of a trained model gather at the top of each family's size range (see `demo.tasks.LEVELS`).
-    hardest = generate_examples(args.hard_examples, args.seed + 8, FAMILIES, args.mix, level=hard)
+    hardest = examples(args.hard_examples, args.seed + 8, FAMILIES, args.mix, hard)
     extras = easy_sums + direct_sums + worked + hardest
     if extras:
         train += extras
         random.Random(args.seed + 5).shuffle(train)
     write_chat_jsonl(train, work / "train.jsonl")
-    copy_warmup = generate_examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), level=warmup_level)
+    copy_warmup = examples(args.copy_warmup_examples, args.seed + 4, ("reversal",), None, warmup_level)
     write_chat_jsonl(copy_warmup, work / "warmup-copy.jsonl")
-    warmup = generate_examples(args.warmup_examples, args.seed + 3, FAMILIES, args.mix, level=warmup_level)
+    warmup = examples(args.warmup_examples, args.seed + 3, level=warmup_level)
     write_chat_jsonl(warmup, work / "warmup.jsonl")
-    write_chat_jsonl(generate_examples(256, seed=args.seed + 2, level=full), work / "eval.jsonl")
+    write_chat_jsonl(examples(256, args.seed + 2, weights=None), work / "eval.jsonl")
     print(f"data: tokenizer of {len(tokenizer)} tokens; {len(copy_warmup)} + {len(warmup)} warm-up and {len(train)} "
           "training conversations")  # fmt: skip
 

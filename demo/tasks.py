@@ -77,9 +77,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # As in Qwen3.5, the markup tokens are added tokens that are *not* special, so `skip_special_tokens=True` keeps them.
 _NON_SPECIAL_MARKUP = frozenset(SPECIAL_TOKENS[3:9])
 
-# Qwen2/3.5-style pre-tokenizer pattern; `\p{N}` on its own splits every digit into its own pre-token.
+# Qwen2/3.5-style pre-tokenizer pattern, except that a word takes at most a space before it (Qwen's takes any one
+# non-letter); `\p{N}` on its own splits every digit into its own pre-token.
 _PRETOKENIZE_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)| ?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
@@ -790,6 +791,7 @@ def build_demo_tokenizer(
     vocab_size: int = 2048,
     seed: int = 0,
     chat_template: str | Path | None = None,
+    wording: str = "templates",
 ):
     """Train a small byte-level BPE on rendered demo conversations and save it (with the chat template) to
     `output_dir`; returns ``AutoTokenizer.from_pretrained(output_dir)``.
@@ -798,7 +800,11 @@ def build_demo_tokenizer(
     task word and city is one token too (at 1,024 most words take two or three). The ten `SPECIAL_TOKENS` take the last
     ten ids, in order: ``<|endoftext|>`` (pad) = vocab_size - 10, ..., ``<|im_end|>`` (eos) = vocab_size - 8, ...,
     ``<|mask|>`` = vocab_size - 1. `chat_template` (template text or a path) defaults to the project's
-    ``tokenizer_config/chat_template.jinja``.
+    ``tokenizer_config/chat_template.jinja``. `wording` words the conversations it learns from (see `make_example`;
+    "train" adds the requests outside the families).
+
+    A word takes at most a space before it, never a quote or a bracket: `"lucky` is `"` then `lucky`, the token the
+    word has at the start of a reply, so that copying a quoted word is copying a token.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -838,7 +844,8 @@ def build_demo_tokenizer(
     control = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
     def corpus():
-        for example in generate_examples(num_examples, seed):
+        families = FAMILIES if wording == "templates" else FAMILIES + (OUT_OF_SCOPE,)
+        for example in generate_examples(num_examples, seed, families, wording=wording):
             text = _render(renderer, example, example.messages, add_generation_prompt=False)
             for piece in control.split(text):
                 if piece:

@@ -33,6 +33,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--mix", type=float, nargs=len(FAMILIES), default=list(TRAINING_MIX), metavar="W")
     parser.add_argument(
+        "--wording",
+        choices=("templates", "train"),
+        default="templates",
+        help="how requests are worded, the tokenizer's text included: the original templates (the shipped models), "
+        "or the wording bank's training part at every size a user asks about, with requests outside the families",
+    )
+    parser.add_argument(
         "--easy-direct-sums",
         type=int,
         default=0,

@@ -254,6 +254,27 @@ def test_digits_are_single_tokens(tokenizer):
         assert sum(ch.isdigit() for ch in token) <= 1 and not (any(ch.isdigit() for ch in token) and len(token) > 1)
 
 
+def test_a_quoted_word_is_the_bare_word_after_the_quote(tokenizer):
+    """A word takes no quote or bracket into its pre-token (Qwen's pattern would take one), so a quoted word has the
+    tokens the same word has at the start of a reply, wherever the quote stands."""
+    pre_tokenize = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str
+    assert [piece for piece, _ in pre_tokenize('"lucky ship" (river)')] == [
+        '"',
+        "lucky",
+        "\u0120ship",
+        '"',
+        "\u0120(",
+        "river",
+        ")",
+    ]
+    for word in ("lucky", "river", "garden"):
+        bare = tokenizer(word, add_special_tokens=False)["input_ids"]
+        for opener in ('"', "'", "(", ':"'):
+            quote = tokenizer(opener, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(f"{opener}{word} ship", add_special_tokens=False)["input_ids"]
+            assert ids[: len(quote) + len(bare)] == quote + bare, (opener, tokenizer.convert_ids_to_tokens(ids))
+
+
 def test_encode_example_matches_full_rendering(tokenizer):
     for example in _examples_per_kind(seed=11, per_kind=4):
         prompt_ids, answer_ids = encode_example(tokenizer, example, max_length=VOCAB_SIZE)

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_python
 
 from clover.cli_clover import replace_directory
-from clover.demo.tasks import FAMILIES, generate_examples
+from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"
@@ -316,6 +316,23 @@ def test_train_demo_adds_extra_additions_to_the_corpus(tmp_path):
     assert len(long_reversals) > len(plain_reversals) + 5  # about 40 x 0.24 more, all of 8-10 words
     added = [i for i, r in enumerate(records) if r not in plain_records]
     assert len(added) == 40 and min(added) < 60  # mixed in, not appended
+
+
+def test_train_demo_words_the_corpus_by_the_bank(tmp_path):
+    """--wording train: the tokenizer and every part of the corpus are worded by the bank's training part, at every
+    size a user asks about, with a tenth of the conversations outside the families."""
+    small = ["--num-examples", "60", "--copy-warmup-examples", "8", "--warmup-examples", "8", "--vocab-size", "1200",
+             "--mix", "0.3", "0.26", "0.24", "0.2", "--wording", "train"]  # fmt: skip
+    done = run_script("train_demo.py", *demo_dirs(tmp_path), "--stages", "data", *small, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    work = tmp_path / "work"
+    expected = generate_examples(
+        60, 1, (*FAMILIES, OUT_OF_SCOPE), [0.3, 0.26, 0.24, 0.2, 1 / 9], "wide", wording="train"
+    )
+    assert read_jsonl(work / "train.jsonl") == [example.to_record() for example in expected]
+    copy_warmup = generate_examples(8, 4, ("reversal",), level="warmup", wording="train")
+    assert read_jsonl(work / "warmup-copy.jsonl") == [example.to_record() for example in copy_warmup]
+    assert json.loads((work / "run.json").read_text())["settings"]["data"]["wording"] == "train"
 
 
 def read_jsonl(path: Path) -> list[dict]:
