@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from ..chat_data_clover import chat_prompt_text
-from .tasks import FAMILIES, check_reply
+from .tasks import FAMILIES, check_reply, data_position
 
 SELF_SPECULATIVE = "self_speculative"
 # Qwen3.5's recommended sampling for thinking mode, at the default threshold (--sample).
@@ -30,7 +30,8 @@ def is_clover(model) -> bool:
 def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_size: int, max_new_tokens: int) -> dict:
     """Greedy decoding of the examples (for Clover block diffusion at threshold `decoding`, or "self_speculative";
     else the model's own AR `generate`); per family: correct count, new tokens (through EOS), forwards. The
-    additions are also counted apart by kind (`ADDITION_KINDS`)."""
+    families are also counted by thinking mode, the additions by kind (`ADDITION_KINDS`), and the additions, sorts
+    and reversals by where their data stand in the request (`demo.tasks.data_position`)."""
     # The prompt alone: a reply is scored on its text, so the target's own rendering plays no part.
     encoded = [tokenizer(chat_prompt_text(tokenizer, e.to_record()), add_special_tokens=False)["input_ids"] for e in examples]  # fmt: skip
     order = sorted(range(len(examples)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
@@ -51,6 +52,8 @@ def evaluate(model, tokenizer, examples, decoding: float | str | None, batch_siz
             kinds = [f"{family}/{mode}"] + [mode] * (family in FAMILIES)
             if family == "addition":
                 kinds.append(ADDITION_KINDS[examples[i].enable_thinking])
+            if position := data_position(examples[i]):
+                kinds += [f"{family}/{position}", position]
             for kind in kinds:
                 stats[kind]["total"] += 1
                 stats[kind]["correct"] += right

@@ -42,6 +42,7 @@ __all__ = [
     "FAMILIES",
     "OUT_OF_SCOPE",
     "WORDINGS",
+    "DATA_POSITIONS",
     "SPECIAL_TOKENS",
     "LEVELS",
     "DemoExample",
@@ -49,6 +50,7 @@ __all__ = [
     "addition_working",
     "build_demo_tokenizer",
     "check_reply",
+    "data_position",
     "encode_example",
     "generate_examples",
     "is_tool_call_target",
@@ -733,6 +735,27 @@ def is_tool_call_target(example: DemoExample) -> bool:
 def _as_rendered(value: Any) -> str:
     """A tool argument as the chat template writes it: strings as they are, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+DATA_POSITIONS = ("data_last", "words_after")
+
+
+def data_position(example: DemoExample) -> str | None:
+    """Where an addition's, sort's or reversal's data stand in its request: "data_last" when nothing but
+    punctuation follows them (as in every original template), "words_after" when words do ("... please", "...
+    starting from the end"). None for the other families. A model that finds its data by their distance from the
+    end of the request answers the first kind and fails the second."""
+    if example.family not in ("addition", "sorting", "reversal"):
+        return None
+    request = next(m["content"] for m in reversed(example.messages) if m["role"] == "user")
+    if example.family == "reversal":
+        words = example.expected.split()[::-1]  # in the request's order
+        between = r"[\s,\"']+(?:and[\s,\"']+)?"
+        found = list(re.finditer(r"\b" + between.join(map(re.escape, words)) + r"\b", request, re.IGNORECASE))
+        end = found[-1].end() if found else request.lower().rfind(words[-1].lower()) + len(words[-1])
+    else:
+        end = max(match.end() for match in re.finditer(r"\d", request))
+    return "words_after" if re.search(r"[^\W\d_]", request[end:]) else "data_last"
 
 
 def check_reply(example: DemoExample, reply_text: str) -> bool:

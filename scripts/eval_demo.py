@@ -16,7 +16,10 @@ and "held_out", requests composed from the held-out part of the wording bank (`d
 words and politeness training never saw) at every size, with requests outside the families (which get one fixed
 reply). `--wordings train` adds fresh problems worded by the bank's training part, composed the same way: whether a
 model has learnt the wordings it was trained on at all, apart from generalising to new ones. Prints a table per set
-(accuracy per family and overall, tokens per forward; "all" counts the four families), then each family by thinking mode, and writes eval_demo.json and eval_demo.png.
+(accuracy per family and overall, tokens per forward; "all" counts the four families), then each family by thinking
+mode and, where some requests have words after their data, the additions, sorts and reversals by where their data
+stand (a model that finds its data by their distance from the end of the request fails those), and writes
+eval_demo.json and eval_demo.png.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from clover.demo.evaluation import (
     is_clover,
     summarise,
 )
-from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, WORDINGS, generate_examples, read_problems
+from clover.demo.tasks import DATA_POSITIONS, FAMILIES, OUT_OF_SCOPE, WORDINGS, generate_examples, read_problems
 from clover.demo.wordings import SPLITS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -148,6 +151,17 @@ def print_tables(name: str, results: dict) -> None:
         for decoding, result in results.items():
             cells = ", ".join(f"{k.split('_')[1]} {result['counts'][k]['correct']}/{result['counts'][k]['total']}" for k in kinds)  # fmt: skip
             print(f"{decoding:>16} | {cells}")
+    if DATA_POSITIONS[1] in counts:
+        print("by where the data stand (last in the request / words after them):")
+        last, after = DATA_POSITIONS
+        for decoding, result in results.items():
+            share = {key: f"{c['correct']}/{c['total']}" for key, c in result["counts"].items()}
+            cells = ", ".join(
+                f"{f} {share.get(f'{f}/{last}', '-')} {share.get(f'{f}/{after}', '-')}"
+                for f in columns
+                if f"{f}/{last}" in share or f"{f}/{after}" in share
+            )
+            print(f"{decoding:>16} | {cells} | all {share.get(last, '-')} {share.get(after, '-')}")
     print("by thinking mode (on / off):")
     on, off = THINKING_MODES[True], THINKING_MODES[False]
     for decoding, result in results.items():

@@ -9,6 +9,7 @@ import pytest
 
 from clover.demo import wordings
 from clover.demo.tasks import (
+    DATA_POSITIONS,
     FAMILIES,
     LEVELS,
     OUT_OF_SCOPE,
@@ -17,6 +18,7 @@ from clover.demo.tasks import (
     addition_working,
     build_demo_tokenizer,
     check_reply,
+    data_position,
     encode_example,
     generate_examples,
     is_tool_call_target,
@@ -51,6 +53,29 @@ def _reference_reply(tokenizer, example, skip_special_tokens=False):
 
 
 # ------------------------------------------------------------------------------------------------ corpus
+
+
+def test_data_position_tells_requests_with_words_after_their_data():
+    def example(family, request, expected):
+        return DemoExample(family, [{"role": "user", "content": request}], None, False, expected)
+
+    cases = [
+        ("reversal", "Please reverse: dog sun", "sun dog", "data_last"),
+        ("reversal", "Reverse 'dog, sun and bird'.", "bird sun dog", "data_last"),
+        ("reversal", 'Turn "dog sun" around, please', "sun dog", "words_after"),
+        ("reversal", "Words: back arm. Give them back reversed", "arm back", "words_after"),  # a data word again
+        ("sorting", "Sort 3, 1 and 2 ascending.", "1, 2, 3", "words_after"),
+        ("sorting", "Sort ascending: 3 1 2!", "1, 2, 3", "data_last"),
+        ("addition", "What is 2 + 3?", "2 + 3 = 5", "data_last"),
+        ("addition", "what's 2 plus 3, all together? ty", "2 + 3 = 5", "words_after"),
+        ("tool_call", "What time is it in Oslo?", "{}", None),
+    ]
+    for family, request, expected, position in cases:
+        assert data_position(example(family, request, expected)) == position, request
+    templated = generate_examples(300, seed=5, families=("addition", "sorting", "reversal"), level="wide")
+    assert {data_position(e) for e in templated} == {"data_last"}  # every original template ends with its data
+    worded = generate_examples(300, seed=5, families=("addition", "sorting", "reversal"), wording="train")
+    assert {data_position(e) for e in worded} == set(DATA_POSITIONS)
 
 
 def test_generate_examples_is_deterministic_and_balanced():

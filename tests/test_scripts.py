@@ -11,7 +11,7 @@ import pytest
 from conftest import run_python
 
 from clover.cli_clover import replace_directory
-from clover.demo.tasks import FAMILIES, OUT_OF_SCOPE, generate_examples
+from clover.demo.tasks import DATA_POSITIONS, FAMILIES, OUT_OF_SCOPE, generate_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "clover-tiny-demo"
@@ -230,6 +230,12 @@ def test_eval_demo_scores_the_bank_training_wordings_on_request(tmp_path):
     assert set(by_set) == {"train"}
     counts = by_set["train"]["0.95"]["counts"]
     assert sum(counts[family]["total"] for family in FAMILIES) == 4 and counts["out_of_scope"]["total"] == 1
+    # the additions, sorts and reversals counted again by where their data stand in the request
+    positions = [counts.get(position, {"total": 0})["total"] for position in DATA_POSITIONS]
+    assert sum(positions) == 3
+    by_family = [counts.get(f"{f}/{p}", {"total": 0})["total"] for f in FAMILIES[:3] for p in DATA_POSITIONS]
+    assert sum(by_family) == 3
+    assert ("by where the data stand" in result.stdout) == (positions[1] > 0)
 
 
 def test_train_demo_keeps_an_output_it_did_not_write(tmp_path):
