@@ -826,8 +826,8 @@ def build_demo_tokenizer(
     ``tokenizer_config/chat_template.jinja``. `wording` words the conversations it learns from (see `make_example`;
     "train" adds the requests outside the families).
 
-    A word takes at most a space before it, never a quote or a bracket: `"lucky` is `"` then `lucky`, the token the
-    word has at the start of a reply, so that copying a quoted word is copying a token.
+    A word takes at most a space before it, never a quote or a bracket: `"lucky` is `"` then `lucky`, the tokens the
+    word has at the start of a reply, so that a quoted word is copied as the reply writes it.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -26,7 +26,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--num-examples", type=int, default=200_000, help="training conversations")
     parser.add_argument(
-        "--copy-warmup-examples", type=int, default=30_000, help="warm-up reversals the base starts on (a curriculum)"
+        "--copy-warmup-examples",
+        type=int,
+        default=30_000,
+        help="warm-up reversals the base starts on (a curriculum); with --wording train one seed had not learnt to "
+        "copy after 30,000, another had after about 21,000: 80,000 leaves room (docs/demo_training.md)",
     )
     parser.add_argument(
         "--warmup-examples", type=int, default=45_000, help="warm-up conversations of every family, next"
