@@ -152,22 +152,23 @@ def print_tables(name: str, results: dict) -> None:
             cells = ", ".join(f"{k.split('_')[1]} {result['counts'][k]['correct']}/{result['counts'][k]['total']}" for k in kinds)  # fmt: skip
             print(f"{decoding:>16} | {cells}")
     if DATA_POSITIONS[1] in counts:
-        print("by where the data stand (last in the request / words after them):")
-        last, after = DATA_POSITIONS
-        for decoding, result in results.items():
-            share = {key: f"{c['correct']}/{c['total']}" for key, c in result["counts"].items()}
-            cells = ", ".join(
-                f"{f} {share.get(f'{f}/{last}', '-')} {share.get(f'{f}/{after}', '-')}"
-                for f in columns
-                if f"{f}/{last}" in share or f"{f}/{after}" in share
-            )
-            print(f"{decoding:>16} | {cells} | all {share.get(last, '-')} {share.get(after, '-')}")
-    print("by thinking mode (on / off):")
-    on, off = THINKING_MODES[True], THINKING_MODES[False]
+        print_split(
+            "by where the data stand (last in the request / words after them):", results, columns, *DATA_POSITIONS
+        )
+    print_split("by thinking mode (on / off):", results, columns, THINKING_MODES[True], THINKING_MODES[False])
+
+
+def print_split(title: str, results: dict, columns: list[str], first: str, second: str) -> None:
+    """Each family's right/total under two counts of `evaluate` ("addition/thinking_on", ...), and over all."""
+    print(title)
     for decoding, result in results.items():
         share = {key: f"{c['correct']}/{c['total']}" for key, c in result["counts"].items()}
-        cells = ", ".join(f"{f} {share.get(f'{f}/{on}', '-')} {share.get(f'{f}/{off}', '-')}" for f in columns)
-        print(f"{decoding:>16} | {cells} | all {share.get(on, '-')} {share.get(off, '-')}")
+        cells = ", ".join(
+            f"{f} {share.get(f'{f}/{first}', '-')} {share.get(f'{f}/{second}', '-')}"
+            for f in columns
+            if f"{f}/{first}" in share or f"{f}/{second}" in share
+        )
+        print(f"{decoding:>16} | {cells} | all {share.get(first, '-')} {share.get(second, '-')}")
 
 
 def main(argv=None) -> None:
